@@ -1,0 +1,30 @@
+# Quick start: `make demo` renders sample_inputs/job.yaml to out/demo.mp4; `make test` runs the tests.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test bench eval clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torchaudio's wheel must match torch's build: pin the pair, then install the project.
+	$(PY) -m pip install -q "torch==2.14.1" "torchaudio==2.11.0"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	mkdir -p out
+	$(VENV)/bin/avatar render sample_inputs/job.yaml -o out/demo.mp4 --force
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) bench/run.py
+
+clean:
+	rm -rf out .pytest_cache
