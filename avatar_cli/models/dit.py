@@ -1,0 +1,180 @@
+"""The audio-to-video Diffusion Transformer, trained by flow matching.
+
+One joint self-attention sequence per chunk: [text tokens, reference tokens, video tokens].
+Each video frame carries its own conditioning vector (flow time + audio features + a mask
+embedding), so one network serves N chunks (clean motion frames at the start) and I chunks
+(clean anchors at both ends): the mask only says which frames are given.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from avatar_cli.models.layers import MLPEmbedder, apply_rope, modulate, rope_3d, timestep_embedding
+
+
+@dataclass(frozen=True)
+class DiTParams:
+    latent_channels: int = 8
+    latent_size: int = 16  # side of the low-resolution latent the DiT works at
+    patch: int = 2
+    dim: int = 128
+    depth: int = 4
+    heads: int = 2
+    mlp_ratio: float = 4.0
+    audio_dim: int = 128
+    text_dim: int = 128
+    ref_hi_patch: int = 4  # the high-res reference latent is patchified coarser: same token count, more detail per token
+
+    @property
+    def tokens_per_frame(self) -> int:
+        return (self.latent_size // self.patch) ** 2
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.q_norm = nn.RMSNorm(dim // heads)
+        self.k_norm = nn.RMSNorm(dim // heads)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).unflatten(-1, (3, self.heads, -1)).permute(2, 0, 3, 1, 4)  # (B, H, N, Dh) each
+        q = apply_rope(self.q_norm(q), cos, sin)  # (B, H, N, Dh)
+        k = apply_rope(self.k_norm(k), cos, sin)  # (B, H, N, Dh)
+        a = F.scaled_dot_product_attention(q, k, v)  # (B, H, N, Dh)
+        return self.proj(a.transpose(1, 2).flatten(2))  # (B, N, D)
+
+
+class DiTBlock(nn.Module):
+    def __init__(self, p: DiTParams):
+        super().__init__()
+        d = p.dim
+        self.norm1 = nn.LayerNorm(d, elementwise_affine=False, eps=1e-6)
+        self.attn = Attention(d, p.heads)
+        self.norm2 = nn.LayerNorm(d, elementwise_affine=False, eps=1e-6)
+        hidden = int(d * p.mlp_ratio)
+        self.mlp = nn.Sequential(nn.Linear(d, hidden), nn.GELU(approximate="tanh"), nn.Linear(hidden, d))
+        self.ada = nn.Linear(d, 6 * d)
+
+    def forward(self, ctx: torch.Tensor, vid: torch.Tensor, c_ctx: torch.Tensor, c_vid: torch.Tensor,
+                cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ctx (B, Nc, D); vid (B, L, P, D); c_ctx (B, 1, D); c_vid (B, L, 1, D)."""
+        m_ctx = self.ada(F.silu(c_ctx)).chunk(6, dim=-1)  # 6 x (B, 1, D)
+        m_vid = self.ada(F.silu(c_vid)).chunk(6, dim=-1)  # 6 x (B, L, 1, D)
+        B, L, P, D = vid.shape
+        n_ctx = ctx.shape[1]
+
+        h = torch.cat([modulate(self.norm1(ctx), m_ctx[0], m_ctx[1]),
+                       modulate(self.norm1(vid), m_vid[0], m_vid[1]).reshape(B, L * P, D)], dim=1)  # (B, N, D)
+        a = self.attn(h, cos, sin)  # (B, N, D)
+        ctx = ctx + m_ctx[2] * a[:, :n_ctx]  # (B, Nc, D)
+        vid = vid + m_vid[2] * a[:, n_ctx:].reshape(B, L, P, D)  # (B, L, P, D)
+
+        ctx = ctx + m_ctx[5] * self.mlp(modulate(self.norm2(ctx), m_ctx[3], m_ctx[4]))  # (B, Nc, D)
+        vid = vid + m_vid[5] * self.mlp(modulate(self.norm2(vid), m_vid[3], m_vid[4]))  # (B, L, P, D)
+        return ctx, vid
+
+
+class FinalLayer(nn.Module):
+    def __init__(self, p: DiTParams):
+        super().__init__()
+        self.norm = nn.LayerNorm(p.dim, elementwise_affine=False, eps=1e-6)
+        self.ada = nn.Linear(p.dim, 2 * p.dim)
+        self.linear = nn.Linear(p.dim, p.patch * p.patch * p.latent_channels)
+
+    def forward(self, vid: torch.Tensor, c_vid: torch.Tensor) -> torch.Tensor:
+        shift, scale = self.ada(F.silu(c_vid)).chunk(2, dim=-1)  # (B, L, 1, D) each
+        return self.linear(modulate(self.norm(vid), shift, scale))  # (B, L, P, p*p*C)
+
+
+class DiT(nn.Module):
+    def __init__(self, p: DiTParams):
+        super().__init__()
+        self.params = p
+        c, d = p.latent_channels, p.dim
+        self.x_embed = nn.Linear(p.patch * p.patch * c, d)
+        self.ref_lo_embed = nn.Linear(p.patch * p.patch * c, d)
+        self.ref_hi_embed = nn.Linear(p.ref_hi_patch * p.ref_hi_patch * c, d)
+        self.text_embed = nn.Linear(p.text_dim, d)
+        self.t_embed = MLPEmbedder(256, d)
+        self.audio_embed = MLPEmbedder(p.audio_dim, d)
+        self.mask_embed = nn.Embedding(2, d)
+        self.ctx_cond = nn.Parameter(torch.zeros(1, 1, d))
+        self.blocks = nn.ModuleList([DiTBlock(p) for _ in range(p.depth)])
+        self.final = FinalLayer(p)
+
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        """DiT-style init: Xavier linears, zeroed modulation gates and output (adaLN-Zero)."""
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.xavier_uniform_(m.weight, generator=generator)
+                nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.Embedding):
+                nn.init.normal_(m.weight, std=0.02, generator=generator)
+            elif isinstance(m, nn.RMSNorm):
+                nn.init.ones_(m.weight)
+        nn.init.normal_(self.ctx_cond, std=0.02, generator=generator)
+        for block in self.blocks:
+            nn.init.zeros_(block.ada.weight)
+            nn.init.zeros_(block.ada.bias)
+        for layer in (self.final.ada, self.final.linear):
+            nn.init.zeros_(layer.weight)
+            nn.init.zeros_(layer.bias)
+
+    def patchify(self, z: torch.Tensor, patch: int) -> torch.Tensor:
+        """z (..., C, H, W) -> (..., H/p * W/p, p*p*C)"""
+        *lead, C, H, W = z.shape
+        z = z.reshape(*lead, C, H // patch, patch, W // patch, patch)
+        z = z.movedim(-4, -1)  # (..., H/p, p, W/p, p, C)
+        z = z.transpose(-3, -4)  # (..., H/p, W/p, p, p, C)
+        return z.reshape(*lead, (H // patch) * (W // patch), patch * patch * C)
+
+    def unpatchify(self, x: torch.Tensor) -> torch.Tensor:
+        """x (B, L, P, p*p*C) -> (B, L, C, h, w)"""
+        p, c, n = self.params.patch, self.params.latent_channels, self.params.latent_size // self.params.patch
+        B, L = x.shape[:2]
+        x = x.reshape(B, L, n, n, p, p, c)  # (B, L, h/p, w/p, p, p, C)
+        x = x.permute(0, 1, 6, 2, 4, 3, 5)  # (B, L, C, h/p, p, w/p, p)
+        return x.reshape(B, L, c, n * p, n * p)
+
+    def rope(self, n_ctx: int, frames: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin (Nc + L*P, Dh/2): video tokens rotate by (frame, row, col); context tokens don't rotate."""
+        n = self.params.latent_size // self.params.patch
+        head_dim = self.params.dim // self.params.heads
+        t = torch.arange(frames, device=device).repeat_interleave(n * n)  # (L*P,)
+        hw = torch.arange(n * n, device=device).repeat(frames)  # (L*P,)
+        cos, sin = rope_3d(t, hw // n, hw % n, head_dim)  # (L*P, Dh/2)
+        ones = torch.ones(n_ctx, head_dim // 2, device=device)
+        return torch.cat([ones, cos]), torch.cat([ones * 0, sin])
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, mask: torch.Tensor, audio: torch.Tensor,
+                ref_lo: torch.Tensor, ref_hi: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+        """Predict the flow velocity of every frame.
+
+        x (B, L, C, h, w) latents (clean where mask is set); t (B, L) flow time per frame, 1 = clean;
+        mask (B, L) bool; audio (B, L, audio_dim); ref_lo (B, C, h, w); ref_hi (B, C, 2h, 2w);
+        text (B, Nt, text_dim), Nt may be 0.  Returns v (B, L, C, h, w).
+        """
+        p = self.params
+        B, L = x.shape[:2]
+        vid = self.x_embed(self.patchify(x, p.patch))  # (B, L, P, D)
+        ctx = torch.cat([
+            self.text_embed(text),  # (B, Nt, D)
+            self.ref_lo_embed(self.patchify(ref_lo, p.patch)),  # (B, P, D)
+            self.ref_hi_embed(self.patchify(ref_hi, p.ref_hi_patch)),  # (B, P', D)
+        ], dim=1)  # (B, Nc, D)
+
+        c_vid = (self.t_embed(timestep_embedding(t, 256).to(x.dtype))
+                 + self.audio_embed(audio)
+                 + self.mask_embed(mask.long()))[:, :, None]  # (B, L, 1, D)
+        c_ctx = self.ctx_cond.to(x.dtype).expand(B, -1, -1)  # (B, 1, D)
+        cos, sin = self.rope(ctx.shape[1], L, x.device)
+
+        for block in self.blocks:
+            ctx, vid = block(ctx, vid, c_ctx, c_vid, cos, sin)
+        return self.unpatchify(self.final(vid, c_vid))  # (B, L, C, h, w)

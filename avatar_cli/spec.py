@@ -1,0 +1,201 @@
+"""The job spec: a typed OmegaConf schema, its defaults in configs/, and validation.
+
+Precedence, lowest first: schema defaults < configs/default.yaml < the job file < key=value
+overrides < -o/--output. Unknown keys and wrong types are errors that name the key.
+"""
+
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Optional
+
+from omegaconf import MISSING, OmegaConf
+from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException, ValidationError
+
+from avatar_cli.errors import SpecError
+
+CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+class Codec(str, Enum):
+    auto = "auto"
+    libx264 = "libx264"
+    h264_nvenc = "h264_nvenc"
+
+
+class Device(str, Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class DType(str, Enum):
+    auto = "auto"
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+@dataclass
+class VideoSpec:
+    fps: float = 25.0
+    width: Optional[int] = None  # None: the model's native size
+    height: Optional[int] = None
+    crf: int = 20  # x264 quality, 0 (lossless) .. 51; nvenc uses it as its constant-quality target
+    preset: str = "veryfast"
+    codec: Codec = Codec.auto
+
+
+@dataclass
+class SamplingSpec:
+    steps: int = 4
+    guidance: float = 1.0  # classifier-free guidance on audio and text; 1.0 = off (one forward per step)
+    shift: float = 3.0  # timestep shift: spends more of the few steps at high noise, where the layout forms
+
+
+@dataclass
+class ChunkingSpec:
+    frames: int = 24  # new frames per N chunk
+    motion_frames: int = 4  # frames of the previous N chunk each N chunk is conditioned on
+    transitions: bool = True  # I chunks: regenerate each seam between two anchors
+    transition_frames: int = 6  # frames an I chunk regenerates after each seam
+
+
+@dataclass
+class RuntimeSpec:
+    device: Device = Device.auto
+    dtype: DType = DType.auto  # auto: bfloat16 (faster than float32 on both modern CPUs and GPUs)
+    threads: int = 0  # torch CPU threads; 0 = one per core
+
+
+@dataclass
+class JobSpec:
+    reference: str = MISSING
+    audio: str = MISSING
+    output: str = MISSING
+    prompt: str = ""
+    seed: int = 0
+    model: str = "mini"
+    video: VideoSpec = field(default_factory=VideoSpec)
+    sampling: SamplingSpec = field(default_factory=SamplingSpec)
+    chunking: ChunkingSpec = field(default_factory=ChunkingSpec)
+    runtime: RuntimeSpec = field(default_factory=RuntimeSpec)
+
+
+@dataclass(frozen=True)
+class Job:
+    """A validated job: the spec, with every path absolute."""
+
+    spec: JobSpec
+    path: Path  # the job file
+    reference: Path
+    audio: Path
+    output: Path
+    model: str  # a shipped name, or an absolute directory
+
+    @property
+    def partial_output(self) -> Path:
+        """Written while rendering; renamed to `output` only on success."""
+        return self.output.with_name(self.output.stem + ".partial" + self.output.suffix)
+
+    def to_yaml(self) -> str:
+        return OmegaConf.to_yaml(OmegaConf.structured(self.spec))
+
+
+def _describe(e: OmegaConfBaseException, where: str) -> str:
+    key = getattr(e, "full_key", None) or "?"
+    if isinstance(e, ConfigKeyError):
+        return f"{where}: unknown key '{key}'"
+    if isinstance(e, MissingMandatoryValue):
+        return f"{where}: missing required key '{key}'"
+    first = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return f"{where}: invalid value for '{key}': {first}"
+
+
+def _merge(base, layer, where: str):
+    try:
+        return OmegaConf.merge(base, layer)
+    except OmegaConfBaseException as e:
+        raise SpecError(_describe(e, where)) from None
+
+
+def load_job(job_path: str | Path, overrides: list[str] | None = None, output: str | None = None) -> Job:
+    path = Path(job_path)
+    if not path.is_file():
+        raise SpecError(f"job: {path}: no such file")
+    try:
+        job_cfg = OmegaConf.load(path)
+    except Exception as e:  # YAML syntax errors come in several types
+        raise SpecError(f"job: {path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if not OmegaConf.is_dict(job_cfg):
+        raise SpecError(f"job: {path}: expected a mapping of keys at the top level")
+
+    cfg = OmegaConf.structured(JobSpec)
+    defaults = CONFIGS_DIR / "default.yaml"
+    if defaults.is_file():
+        cfg = _merge(cfg, OmegaConf.load(defaults), str(defaults))
+    cfg = _merge(cfg, job_cfg, str(path))
+    cli_keys: set[str] = set()
+    for item in overrides or []:
+        if "=" not in item:
+            raise SpecError(f"override '{item}': expected key=value")
+        key = item.split("=", 1)[0]
+        try:
+            layer = OmegaConf.from_dotlist([item])
+        except OmegaConfBaseException as e:
+            raise SpecError(f"override '{item}': {str(e).splitlines()[0]}") from None
+        cfg = _merge(cfg, layer, f"override '{item}'")
+        cli_keys.add(key)
+    if output is not None:
+        cfg.output = output
+        cli_keys.add("output")
+    try:
+        spec: JobSpec = OmegaConf.to_object(cfg)  # type: ignore[assignment]
+    except (MissingMandatoryValue, ValidationError) as e:
+        raise SpecError(_describe(e, str(path))) from None
+
+    # Paths written in the job file are relative to its folder; paths typed on the command line, to the shell's.
+    def resolve(key: str, value: str) -> Path:
+        base = Path.cwd() if key in cli_keys else path.resolve().parent
+        return (base / Path(value).expanduser()).resolve()
+
+    validate(spec)
+    model = spec.model
+    if spec.model not in _shipped_names():
+        model = str(resolve("model", spec.model))
+    return Job(spec=spec, path=path.resolve(), reference=resolve("reference", spec.reference),
+               audio=resolve("audio", spec.audio), output=resolve("output", spec.output), model=model)
+
+
+def _shipped_names() -> set[str]:
+    from avatar_cli.modules.registry import SHIPPED  # local import: spec must not pull in torch at import time
+
+    return set(SHIPPED)
+
+
+def validate(s: JobSpec) -> None:
+    """Value rules the types can't express. Each failure names the key."""
+    v, c, sm = s.video, s.chunking, s.sampling
+    rules = [
+        (v.fps > 0, "video.fps must be positive"),
+        (v.fps <= 240, "video.fps must be at most 240"),
+        (v.width is None or (v.width > 0 and v.width % 2 == 0), "video.width must be a positive even number"),
+        (v.height is None or (v.height > 0 and v.height % 2 == 0), "video.height must be a positive even number"),
+        ((v.width is None) == (v.height is None), "video.width and video.height must be set together"),
+        (0 <= v.crf <= 51, "video.crf must be in 0..51"),
+        (c.frames > 0, "chunking.frames must be positive"),
+        (c.motion_frames >= 0, "chunking.motion_frames must not be negative"),
+        (c.motion_frames < c.frames or c.frames == 0, "chunking.motion_frames must be smaller than chunking.frames"),
+        (not c.transitions or c.transition_frames > 0, "chunking.transition_frames must be positive when transitions are on"),
+        (not c.transitions or c.motion_frames + c.transition_frames <= c.frames,
+         "chunking.motion_frames + chunking.transition_frames must not exceed chunking.frames "
+         "(an I chunk would rewrite frames the next N chunk is conditioned on)"),
+        (sm.steps > 0, "sampling.steps must be positive"),
+        (sm.guidance >= 0, "sampling.guidance must not be negative"),
+        (sm.shift > 0, "sampling.shift must be positive"),
+        (s.runtime.threads >= 0, "runtime.threads must not be negative"),
+        (Path(s.output).suffix.lower() == ".mp4", "output must end in .mp4"),
+    ]
+    for ok, message in rules:
+        if not ok:
+            raise SpecError(message)
