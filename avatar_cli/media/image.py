@@ -1,0 +1,105 @@
+"""Reference-image I/O without Pillow: decode with PyAV, write PNG by hand, fit to the model's square."""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from pathlib import Path
+
+import av
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from avatar_cli.errors import InputError
+from avatar_cli.media._files import check_readable, input_error, reason
+
+__all__ = ["load_image", "save_png", "fit_square"]
+
+
+def _to_rgb(frame: av.VideoFrame) -> np.ndarray:
+    """Frame -> uint8 (H, W, 3) RGB; formats with alpha are composited on white.
+
+    Compositing (instead of dropping alpha) matters for cut-out portraits: the RGB under a
+    transparent area is often black or garbage, and white is what viewers saw in an editor.
+    """
+    fmt = frame.format
+    # 2 components = gray+alpha, 4 = colour+alpha; palettes may carry alpha (PNG tRNS).
+    if len(fmt.components) in (2, 4) or fmt.has_palette:
+        rgba = frame.to_ndarray(format="rgba").astype(np.float32)  # (H, W, 4)
+        alpha = rgba[..., 3:4] / 255.0  # (H, W, 1)
+        rgb = rgba[..., :3] * alpha + 255.0 * (1.0 - alpha)  # (H, W, 3)
+        return np.clip(np.rint(rgb), 0, 255).astype(np.uint8)
+    return np.ascontiguousarray(frame.to_ndarray(format="rgb24"))  # (H, W, 3)
+
+
+def load_image(path: str | Path, what: str = "reference") -> np.ndarray:
+    """Decode the first video frame of `path` (png, jpg, webp, ...) as uint8 (H, W, 3) RGB.
+
+    Raises InputError with one line `"{what}: {path}: problem"` for anything unusable.
+    """
+    check_readable(path, what)
+    try:
+        with av.open(str(path)) as container:
+            if not container.streams.video:
+                raise input_error(what, path, "not an image (no picture found in the file)")
+            stream = container.streams.video[0]
+            frame = next(container.decode(stream), None)
+            if frame is None:
+                raise input_error(what, path, "not an image (no picture could be decoded)")
+            if frame.width <= 0 or frame.height <= 0:
+                raise input_error(what, path, f"image has zero size ({frame.width}x{frame.height})")
+            return _to_rgb(frame)
+    except InputError:
+        raise
+    except PermissionError:
+        raise input_error(what, path, "permission denied") from None
+    except (av.error.FFmpegError, OSError, ValueError) as exc:
+        raise input_error(what, path, f"cannot decode as an image ({reason(exc)})") from None
+
+
+def _png_chunk(kind: bytes, data: bytes) -> bytes:
+    """One PNG chunk: length, type, data, CRC over type+data."""
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+
+def save_png(path: str | Path, img: np.ndarray) -> None:
+    """Write uint8 (H, W, 3) RGB as an 8-bit RGB PNG.
+
+    Hand-rolled (zlib + struct) so the bytes depend only on the pixels and zlib's level:
+    no encoder version or metadata ends up in the file, which keeps outputs comparable.
+    """
+    arr = np.asarray(img)
+    if arr.dtype != np.uint8 or arr.ndim != 3 or arr.shape[2] != 3:
+        raise ValueError(f"save_png wants uint8 (H, W, 3), got {arr.dtype} {arr.shape}")
+    h, w, _ = arr.shape
+    if h == 0 or w == 0:
+        raise ValueError(f"save_png: image has zero size ({w}x{h})")
+    rows = np.ascontiguousarray(arr).reshape(h, w * 3)  # (H, W*3)
+    # Filter type 0 (None) on every row: a leading zero byte per scanline.
+    raw = np.concatenate([np.zeros((h, 1), np.uint8), rows], axis=1)  # (H, 1 + W*3)
+    ihdr = struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)  # 8-bit, colour type 2 (RGB)
+    data = (
+        b"\x89PNG\r\n\x1a\n"
+        + _png_chunk(b"IHDR", ihdr)
+        + _png_chunk(b"IDAT", zlib.compress(raw.tobytes(), 6))
+        + _png_chunk(b"IEND", b"")
+    )
+    Path(path).write_bytes(data)
+
+
+def fit_square(img: np.ndarray, size: int) -> torch.Tensor:
+    """Center-crop the longer side to a square, then antialiased-resize to float32 (3, size, size) in [-1, 1]."""
+    arr = np.asarray(img)
+    if arr.ndim != 3 or arr.shape[2] != 3:
+        raise ValueError(f"fit_square wants (H, W, 3), got {arr.shape}")
+    h, w, _ = arr.shape
+    side = min(h, w)
+    top, left = (h - side) // 2, (w - side) // 2
+    crop = arr[top : top + side, left : left + side]  # (S, S, 3)
+    x = torch.from_numpy(np.ascontiguousarray(crop)).permute(2, 0, 1)[None].float()  # (1, 3, S, S)
+    if side != size:
+        # antialias=True matters when shrinking a photo: plain bilinear aliases fine texture (hair).
+        x = F.interpolate(x, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
+    x = (x / 127.5 - 1.0).clamp_(-1.0, 1.0)  # (1, 3, size, size)
+    return x[0].contiguous()

@@ -1,0 +1,114 @@
+"""The render loop: wires the stages, owns the rolling state, runs the chunk schedule."""
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from avatar_cli.models.family import FamilyConfig
+from avatar_cli.modules.module import Module
+from avatar_cli.pipeline.schedule import Chunk, plan
+from avatar_cli.pipeline.state import RollingState
+from avatar_cli.runtime.device import Runtime
+from avatar_cli.spec import JobSpec
+from avatar_cli.stages.a2v import AudioToVideo
+from avatar_cli.stages.base import StageTimer
+from avatar_cli.stages.context import AudioSource, ContextGen
+from avatar_cli.stages.publish import DecodePublish, FrameSink
+from avatar_cli.stages.reference import ReferenceEncode
+from avatar_cli.stages.sr import SuperResolve
+
+
+@dataclass
+class ChunkDone:
+    chunk: Chunk
+    elapsed_s: float  # since the render started
+    published: int  # frames handed to the encoder so far
+
+
+@dataclass
+class RenderStats:
+    frames: int
+    wall_s: float  # render start (models loaded) to the last frame published
+    ttff_s: float  # render start to the first frame handed to the encoder
+    compute_s: dict[str, float] = field(default_factory=dict)
+
+
+class Pipeline:
+    def __init__(self, modules: Mapping[str, Module], config: FamilyConfig, runtime: Runtime):
+        self.config = config
+        self.runtime = runtime
+        self.reference = ReferenceEncode(modules, runtime)
+        self.context = ContextGen(modules, runtime)
+        self.a2v = AudioToVideo(modules, runtime)
+        self.sr = SuperResolve(modules, runtime)
+        self.publish = DecodePublish(modules, runtime)
+
+    @property
+    def latent_shape(self) -> tuple[int, int, int]:
+        d = self.config.dit
+        return (d.latent_channels, d.latent_size, d.latent_size)
+
+    def schedule(self, spec: JobSpec, total_frames: int) -> list[Chunk]:
+        c = spec.chunking
+        return plan(total_frames, c.frames, c.motion_frames, c.transitions, c.transition_frames)
+
+    @torch.no_grad()  # not inference_mode: FSDP2 (multi-GPU) breaks under it in torch 2.14
+    def run(self, spec: JobSpec, image: torch.Tensor, audio: AudioSource, total_frames: int, sink: FrameSink,
+            size: tuple[int, int], on_chunk: Callable[[ChunkDone], None] = lambda _: None) -> RenderStats:
+        """image (3, S, S) in [-1, 1] at the native size; size (width, height) of the output frames."""
+        t0 = time.perf_counter()
+        timer = StageTimer(self.runtime)
+        ttff: float | None = None
+        state = RollingState()
+        fps, s = spec.video.fps, spec.sampling
+
+        # 1. Reference and prompt conditioning: computed once, kept for the whole job.
+        with timer("reference"):
+            ref = self.reference.run(image, self.config.low_size)
+        with timer("context"):
+            text = self.context.encode_prompt(spec.prompt)
+
+        for chunk in self.schedule(spec, total_frames):
+            # 2. Context: audio features for the chunk's frames, noise, and the given frames.
+            given = self._given(chunk, state)
+            with timer("context"):
+                ctx = self.context.run(chunk, audio, fps, text, given, spec.seed, self.latent_shape)
+            # 3. Audio-to-video: sample the chunk's low-resolution latents.
+            with timer("a2v"):
+                z = self.a2v.run(ctx, ref, s.steps, s.guidance, s.shift)  # (L, C, h, w)
+            self._keep(chunk, z, state, keep_tail=max(1, spec.chunking.motion_frames))
+
+            # 4. Publish what no later chunk can change: super-resolve, decode, hand to the encoder.
+            final = state.take_final(chunk.publish_to)
+            if final is not None:
+                with timer("sr"):
+                    z_hi = self.sr.run(final, ref)
+                with timer("decode"):
+                    state.decode_cache, n = self.publish.run(z_hi, state.decode_cache, sink, size)
+                state.published += n
+                if ttff is None:
+                    ttff = time.perf_counter() - t0
+            on_chunk(ChunkDone(chunk, time.perf_counter() - t0, state.published))
+
+        return RenderStats(frames=state.published, wall_s=time.perf_counter() - t0,
+                           ttff_s=ttff if ttff is not None else 0.0, compute_s=dict(timer.seconds))
+
+    def _given(self, chunk: Chunk, state: RollingState) -> torch.Tensor:
+        if chunk.kind == "I":
+            return state.anchors
+        m = len(chunk.cond)
+        return state.tail[-m:] if m else torch.zeros(0, *self.latent_shape)
+
+    def _keep(self, chunk: Chunk, z: torch.Tensor, state: RollingState, keep_tail: int) -> None:
+        """z (L, C, h, w): hold the kept frames and update the motion/anchor tensors."""
+        s, e = chunk.keep
+        state.held.append((s, z[s - chunk.start:e - chunk.start]))
+        if chunk.kind == "N":
+            new = z[len(chunk.cond):]  # (n, C, h, w) this chunk's own frames
+            a = s - (chunk.start + len(chunk.cond))  # frames the following I chunk will regenerate
+            if a > 0:
+                # Anchor 0: the previous N chunk's last frame; anchor 1: this chunk's first kept frame.
+                state.anchors = torch.stack([state.tail[-1], new[a]])  # (2, C, h, w)
+            state.tail = new[-keep_tail:].clone()
