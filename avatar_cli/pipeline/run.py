@@ -75,6 +75,8 @@ class Pipeline:
             given = self._given(chunk, state)
             with timer("context"):
                 ctx = self.context.run(chunk, audio, fps, text, given, spec.seed, self.latent_shape)
+                # Later chunks start at most one frame before this one (an I chunk's first anchor).
+                self.context.release_before(audio, chunk.start - 1, fps)
             # 3. Audio-to-video: sample the chunk's low-resolution latents.
             with timer("a2v"):
                 z = self.a2v.run(ctx, ref, s.steps, s.guidance, s.shift)  # (L, C, h, w)

@@ -16,6 +16,8 @@ from avatar_cli.stages.base import Stage
 class AudioSource(Protocol):
     def read(self, start: int, end: int) -> np.ndarray: ...  # mono float32 samples [start, end), zero-padded
 
+    def release(self, before: int) -> None: ...  # samples before this index will not be read again
+
 
 @dataclass
 class ChunkContext:
@@ -53,6 +55,11 @@ class ContextGen(Stage):
         mel = log_mel_windows(samples[idx], p)  # (L, n_mels, mel_frames)
         enc = self.model("audio")
         return enc(mel.to(self.runtime.device, self.runtime.dtype))[None]  # (1, L, audio_dim)
+
+    def release_before(self, audio: AudioSource, frame: int, fps: float) -> None:
+        """No later chunk reads audio for frames before `frame`: let the reader drop it."""
+        p = self.model("audio").params
+        audio.release(int(frame_window_starts(max(0, frame), 1, fps, p)[0]))
 
     def run(self, chunk: Chunk, audio: AudioSource, fps: float, text: torch.Tensor, given: torch.Tensor,
             seed: int, latent_shape: tuple[int, int, int]) -> ChunkContext:

@@ -1,0 +1,157 @@
+"""The `avatar` command. Thin: each command parses its arguments and calls one runner.
+
+Exit codes: 0 success; 1 failure while rendering; 2 invalid job spec or input; 130 interrupted (SIGINT);
+143 terminated (SIGTERM).
+"""
+
+import os
+import signal
+import sys
+import traceback
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from avatar_cli.errors import EXIT_INTERRUPTED, AvatarError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Render talking-avatar videos of any length from a reference picture and a speech track.")
+models_app = typer.Typer(help="List the models available, or write a new model directory.")
+app.add_typer(models_app, name="models")
+
+EXIT_TERMINATED = 143
+
+JobArg = Annotated[Path, typer.Argument(help="The job spec (YAML).", show_default=False)]
+OverridesArg = Annotated[Optional[list[str]], typer.Argument(help="Dotted overrides, e.g. video.fps=30 seed=7.",
+                                                             show_default=False)]
+OutputOpt = Annotated[Optional[str], typer.Option("-o", "--output", help="Output .mp4 (overrides the spec's).")]
+JsonOpt = Annotated[Optional[bool], typer.Option("--json/--no-json", help="JSON lines on stdout "
+                                                 "(default: on when stdout is not a terminal).", show_default=False)]
+DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks.")]
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread so cleanup runs as for Ctrl-C."""
+
+
+def _on_sigterm(signum, frame):  # noqa: ARG001
+    raise Terminated()
+
+
+def _run(action, json_mode: Optional[bool], debug: bool) -> None:
+    """Run one command's action; turn every failure into one line and an exit code."""
+    from avatar_cli.report import make_reporter
+
+    debug = debug or os.environ.get("AVATAR_DEBUG") == "1"
+    reporter = make_reporter(json_mode)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        action(reporter)
+    except AvatarError as e:
+        if debug:
+            traceback.print_exc()
+        reporter.error(e.exit_code, str(e))
+        raise typer.Exit(e.exit_code) from None
+    except KeyboardInterrupt:
+        reporter.error(EXIT_INTERRUPTED, "interrupted; the partial output (if any) was kept")
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+    except Terminated:
+        reporter.error(EXIT_TERMINATED, "terminated; the partial output (if any) was kept")
+        raise typer.Exit(EXIT_TERMINATED) from None
+    except Exception as e:  # an unexpected failure while rendering
+        if debug:
+            traceback.print_exc()
+        reporter.error(1, f"render failed: {type(e).__name__}: {e}".splitlines()[0] + " (run with --debug for details)")
+        raise typer.Exit(1) from None
+
+
+@app.command()
+def render(job: JobArg, overrides: OverridesArg = None, output: OutputOpt = None,
+           force: Annotated[bool, typer.Option("--force", help="Replace an existing output file.")] = False,
+           json: JsonOpt = None, debug: DebugOpt = False) -> None:
+    """Render a job to an MP4."""
+    def action(reporter):
+        from avatar_cli import runner
+        from avatar_cli.spec import load_job
+
+        prepared = runner.prepare(load_job(job, overrides, output), force=force)
+        reporter.done(runner.render(prepared, reporter))
+
+    _run(action, json, debug)
+
+
+@app.command()
+def validate(job: JobArg, overrides: OverridesArg = None, output: OutputOpt = None,
+             json: JsonOpt = None, debug: DebugOpt = False) -> None:
+    """Check a job spec and open its inputs, without loading models."""
+    def action(reporter):
+        from avatar_cli import runner
+        from avatar_cli.spec import load_job
+
+        j = load_job(job, overrides, output)
+        p = runner.prepare(j, force=True)  # an existing output is render's business (--force), not validity
+        info = {"event": "valid", "job": str(j.path), "reference": str(j.reference),
+                "reference_size": [int(p.image.shape[1]), int(p.image.shape[0])], "audio": str(j.audio),
+                "audio_s": round(p.audio.duration_s, 4), "frames": p.frames, "video_fps": j.spec.video.fps,
+                "size": list(p.size), "model": p.model.name, "output": str(j.output),
+                "output_exists": j.output.exists()}
+        _print_info(reporter, info)
+
+    _run(action, json, debug)
+
+
+@models_app.callback(invoke_without_command=True)
+def models(ctx: typer.Context, json: JsonOpt = None, debug: DebugOpt = False) -> None:
+    """List the models available: shipped ones by name, with parameter counts and where each lives."""
+    if ctx.invoked_subcommand is not None:
+        return
+
+    def action(reporter):
+        from avatar_cli.modules.registry import SHIPPED, param_count, resolve_model
+
+        for name in SHIPPED:
+            src = resolve_model(name, Path.cwd())
+            _print_info(reporter, {"event": "model", "name": name, "size": src.config.size,
+                                   "params": param_count(src.config), "trained": src.trained,
+                                   "location": src.location})
+
+    _run(action, json, debug)
+
+
+@models_app.command("init")
+def models_init(directory: Annotated[Path, typer.Argument(help="A new (or empty) folder.")],
+                size: Annotated[str, typer.Option("--size", help="A named size: tiny or mini.")] = "mini",
+                seed: Annotated[int, typer.Option("--seed", help="Seed of the random init.")] = 0,
+                json: JsonOpt = None, debug: DebugOpt = False) -> None:
+    """Write a randomly initialised model directory (config.json + safetensors)."""
+    def action(reporter):
+        from avatar_cli.modules.registry import init_model_dir
+
+        modules = init_model_dir(directory, size, seed)
+        _print_info(reporter, {"event": "model", "name": str(directory), "size": size,
+                               "params": sum(m.num_params for m in modules.values()), "trained": False,
+                               "location": str(directory.resolve())})
+
+    _run(action, json, debug)
+
+
+def _print_info(reporter, info: dict) -> None:
+    from avatar_cli.report import JsonReporter
+
+    if isinstance(reporter, JsonReporter):
+        reporter.emit(info)
+    else:
+        width = max(len(k) for k in info)
+        for k, v in info.items():
+            if k != "event":
+                print(f"{k:<{width}}  {v}")
+        print()
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

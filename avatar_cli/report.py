@@ -1,0 +1,120 @@
+"""Progress for people (Rich) and for machines (JSON lines on stdout, nothing else there)."""
+
+import json
+import resource
+import sys
+import time
+from typing import Any, Protocol, TextIO
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+
+def peak_rss_mb() -> float:
+    # ru_maxrss is in KiB on Linux.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def peak_memory_text() -> str:
+    text = f"{peak_rss_mb():.0f} MB RSS"
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        text += f", {torch.cuda.max_memory_allocated() / 2**20:.0f} MB GPU"
+    return text
+
+
+class Reporter(Protocol):
+    def start(self, *, output: str, frames: int, chunks: int, fps: float) -> None: ...
+    def chunk(self, *, kind: str, index: int, start: int, end: int, elapsed_s: float, done_chunks: int,
+              published: int) -> None: ...
+    def done(self, summary: dict[str, Any]) -> None: ...
+    def error(self, code: int, message: str) -> None: ...
+    def info(self, message: str) -> None: ...
+
+
+class JsonReporter:
+    def __init__(self, out: TextIO | None = None):
+        self.out = out or sys.stdout
+
+    def emit(self, event: dict[str, Any]) -> None:
+        self.out.write(json.dumps(event) + "\n")
+        self.out.flush()
+
+    def start(self, *, output: str, frames: int, chunks: int, fps: float) -> None:
+        pass  # the spec lists chunk, done and error events only; keep stdout to those
+
+    def chunk(self, *, kind: str, index: int, start: int, end: int, elapsed_s: float, done_chunks: int,
+              published: int) -> None:
+        self.emit({"event": "chunk", "kind": kind, "index": index, "start": start, "end": end,
+                    "elapsed_s": round(elapsed_s, 4)})
+
+    def done(self, summary: dict[str, Any]) -> None:
+        self.emit({"event": "done", **summary})
+
+    def error(self, code: int, message: str) -> None:
+        self.emit({"event": "error", "code": code, "message": message})
+        print(f"error: {message}", file=sys.stderr)
+
+    def info(self, message: str) -> None:
+        print(message, file=sys.stderr)
+
+
+class RichReporter:
+    def __init__(self, console: Console | None = None):
+        self.console = console or Console()
+        self.progress: Progress | None = None
+        self.task = None
+        self.fps = 25.0
+        self.t0 = time.perf_counter()
+
+    def start(self, *, output: str, frames: int, chunks: int, fps: float) -> None:
+        self.fps, self.chunks, self.t0 = fps, chunks, time.perf_counter()
+        self.progress = Progress(
+            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("{task.fields[stats]}"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+            console=self.console, transient=False)
+        self.progress.start()
+        self.task = self.progress.add_task(f"chunk 0/{chunks}", total=frames, stats="")
+
+    def chunk(self, *, kind: str, index: int, start: int, end: int, elapsed_s: float, done_chunks: int,
+              published: int) -> None:
+        if self.progress is None:
+            return
+        render_fps = published / elapsed_s if elapsed_s > 0 else 0.0
+        stats = f"{render_fps:5.1f} fps  {render_fps / self.fps:4.2f}x realtime  peak {peak_memory_text()}"
+        self.progress.update(self.task, completed=published, description=f"chunk {done_chunks}/{self.chunks}",
+                             stats=stats)
+
+    def _stop(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
+
+    def done(self, s: dict[str, Any]) -> None:
+        self._stop()
+        table = Table(show_header=False, box=None, pad_edge=False)
+        for label, value in [
+            ("output", s["output"]), ("frames", f"{s['frames']} ({s['duration_s']:.2f} s at {s['video_fps']:g} fps)"),
+            ("time to first frame", f"{s['ttff_s']:.2f} s"), ("wall time", f"{s['wall_s']:.2f} s"),
+            ("render fps", f"{s['render_fps']:.1f}"), ("realtime factor", f"{s['rtf']:.2f}x"),
+            ("peak memory", f"{s['peak_rss_mb']:.0f} MB RSS" + (f", {s['peak_gpu_mb']:.0f} MB GPU"
+                                                                if s.get("peak_gpu_mb") else "")),
+        ]:
+            table.add_row(f"[bold]{label}[/]", str(value))
+        self.console.print("[green]done[/]")
+        self.console.print(table)
+
+    def error(self, code: int, message: str) -> None:
+        self._stop()
+        Console(stderr=True).print(f"[red]error:[/] {message}", highlight=False, soft_wrap=True)
+
+    def info(self, message: str) -> None:
+        Console(stderr=True).print(message, highlight=False, soft_wrap=True)
+
+
+def make_reporter(json_mode: bool | None) -> Reporter:
+    """JSON lines when asked, or when stdout is not a terminal (CI, pipes, cron)."""
+    if json_mode or (json_mode is None and not sys.stdout.isatty()):
+        return JsonReporter()
+    return RichReporter()
