@@ -218,6 +218,10 @@ class AudioWindowReader:
             have += x.size
         if new:
             self._buf = np.concatenate([self._buf, *new])  # (n,)
+        over = self._buf_start + self._buf.size - self._total
+        if over > 0:  # decoder padding past the probed length (AAC): never part of the audio
+            self._buf = self._buf[: max(0, self._buf.size - over)]
+            self._eof = True
 
     def read(self, start: int, end: int) -> np.ndarray:
         """float32 (end - start,) of mono audio; zeros outside [0, total)."""
