@@ -56,7 +56,7 @@ def prepare(job: Job, force: bool = False) -> Prepared:
     image = load_image(job.reference, "reference")
     audio = probe_audio(job.audio, "audio")
     fps = job.spec.video.fps
-    frames = num_frames(audio.duration_s, fps)
+    frames = num_frames(audio.samples, audio.sample_rate, fps)
     if frames == 0:
         raise InputError(f"audio: {job.audio}: {audio.duration_s * 1000:.1f} ms is shorter than one frame at {fps:g} fps")
     model = resolve_model(job.model, job.path.parent)

@@ -233,12 +233,12 @@ class AudioWindowReader:
         if lo < hi:
             if lo < self._released:
                 raise ValueError(f"read({start}, {end}) reaches sample {lo}, already released (< {self._released})")
+            if self._history and lo - self._history > self._released:
+                self.release(lo - self._history)  # before decoding: a jump ahead must not fill RAM
             self._fill(hi)
             a, b = lo - self._buf_start, min(hi, self._buf_start + self._buf.size) - self._buf_start
             if b > a:
                 out[lo - start : lo - start + (b - a)] = self._buf[a:b]
-        if self._history and start - self._history > self._released:
-            self.release(start - self._history)
         return out
 
     def release(self, before: int) -> None:

@@ -8,7 +8,9 @@ without touching anything the next N chunk is conditioned on (validation ensures
 A stretch of the timeline is published as soon as no later chunk can change it.
 """
 
+import math
 from dataclasses import dataclass
+from fractions import Fraction
 
 
 @dataclass(frozen=True)
@@ -30,8 +32,10 @@ class Chunk:
         return f"{self.kind}{self.index}"
 
 
-def num_frames(duration_s: float, fps: float) -> int:
-    return max(0, round(duration_s * fps))
+def num_frames(samples: int, sample_rate: int, fps: float) -> int:
+    """round(duration x fps), computed exactly (half rounds up), so 2.3 s at 25 fps is 58 frames, not 57."""
+    exact = Fraction(samples) * Fraction(fps) / sample_rate
+    return max(0, math.floor(exact + Fraction(1, 2)))
 
 
 def plan(total: int, frames: int, motion: int, transitions: bool, transition_frames: int) -> list[Chunk]:

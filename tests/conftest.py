@@ -1,0 +1,49 @@
+"""Shared fixtures: a tiny model directory of the real architecture, and small generated inputs."""
+
+import wave
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from avatar_cli.media.image import save_png
+from avatar_cli.modules.registry import init_model_dir
+
+
+def write_wav(path: Path, seconds: float, rate: int = 16_000, channels: int = 1, freq: float = 220.0) -> Path:
+    """A tone whose loudness pulses 3 times a second, like syllables."""
+    t = np.arange(int(round(seconds * rate))) / rate
+    x = 0.3 * np.sin(2 * np.pi * freq * t) * (0.5 + 0.5 * np.sin(2 * np.pi * 3 * t))  # (n,)
+    data = np.repeat(x[:, None], channels, axis=1)  # (n, channels)
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(channels)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes((data * 32767).astype("<i2").tobytes())
+    return path
+
+
+def write_reference(path: Path, width: int = 120, height: int = 160) -> Path:
+    img = np.zeros((height, width, 3), np.uint8)
+    img[..., 0] = np.linspace(0, 255, width, dtype=np.uint8)[None]
+    img[height // 4: 3 * height // 4, width // 4: 3 * width // 4] = 255
+    save_png(path, img)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("models") / "tiny"
+    init_model_dir(directory, "tiny", seed=0)
+    return directory
+
+
+@pytest.fixture
+def job_dir(tmp_path: Path, tiny_model: Path) -> Path:
+    """A folder with ref.png, speech.wav (2.3 s) and job.yaml using the tiny model."""
+    write_reference(tmp_path / "ref.png")
+    write_wav(tmp_path / "speech.wav", 2.3)
+    (tmp_path / "job.yaml").write_text(
+        "reference: ref.png\naudio: speech.wav\noutput: out/video.mp4\n"
+        f"model: {tiny_model}\nseed: 3\nchunking:\n  frames: 16\n  motion_frames: 3\n  transition_frames: 4\n")
+    return tmp_path

@@ -1,0 +1,130 @@
+"""Modules: build on meta, strict safetensors loading, model directories, and the models themselves."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from avatar_cli.errors import InputError
+from avatar_cli.models.family import COMPONENTS, SIZES, FamilyConfig
+from avatar_cli.modules.module import load_module
+from avatar_cli.modules.registry import check_model, init_model_dir, load_modules, resolve_model
+
+
+def test_model_dir_round_trip(tmp_path):
+    modules = init_model_dir(tmp_path / "m", "tiny", seed=5)
+    src = resolve_model(str(tmp_path / "m"), tmp_path)
+    assert src.trained and src.config == SIZES["tiny"]
+    loaded = load_modules(src)
+    for name, module in loaded.items():
+        for (k, a), (_, b) in zip(modules[name].model.state_dict().items(), module.model.state_dict().items()):
+            assert torch.equal(a, b), (name, k)
+        assert not any(p.is_meta for p in module.model.parameters())
+
+
+def test_model_dir_is_config_plus_safetensors(tmp_path):
+    init_model_dir(tmp_path / "m", "tiny")
+    names = sorted(p.name for p in (tmp_path / "m").iterdir())
+    assert names == sorted(["config.json"] + [f for f, _ in COMPONENTS.values()])
+    assert FamilyConfig.from_dict(json.loads((tmp_path / "m" / "config.json").read_text())) == SIZES["tiny"]
+
+
+def test_missing_and_unexpected_keys_are_named(tmp_path):
+    init_model_dir(tmp_path / "m", "tiny")
+    path = tmp_path / "m" / "sr.safetensors"
+    state = load_file(str(path))
+    state.pop("conv_out.bias")
+    state["extra.weight"] = torch.zeros(2)
+    save_file(state, str(path))
+    with pytest.raises(InputError) as e:
+        check_model(resolve_model(str(tmp_path / "m"), tmp_path))
+    assert "missing keys: conv_out.bias" in str(e.value)
+    assert "unexpected keys: extra.weight" in str(e.value)
+
+
+def test_shape_mismatch_is_named(tmp_path):
+    init_model_dir(tmp_path / "m", "tiny")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    cfg["sr"]["width"] = 24  # the config no longer matches the weights
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(InputError, match=r"shape mismatch: .*conv_in\.weight"):
+        load_modules(resolve_model(str(tmp_path / "m"), tmp_path))
+
+
+def test_bad_model_dirs(tmp_path):
+    with pytest.raises(InputError, match="neither a shipped model"):
+        resolve_model("no-such-model", tmp_path)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(InputError, match="no config.json"):
+        resolve_model("empty", tmp_path)
+    init_model_dir(tmp_path / "m", "tiny")
+    (tmp_path / "m" / "dit.safetensors").write_bytes(b"\x00not safetensors")
+    with pytest.raises(InputError, match="not a readable safetensors file"):
+        check_model(resolve_model("m", tmp_path))
+    (tmp_path / "m" / "vae.safetensors").unlink()
+    with pytest.raises(InputError, match="missing weights file"):
+        check_model(resolve_model("m", tmp_path))
+
+
+def test_unknown_config_field_is_rejected(tmp_path):
+    init_model_dir(tmp_path / "m", "tiny")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    cfg["dit"]["depthh"] = 3
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(InputError, match="depthh"):
+        resolve_model("m", tmp_path)
+
+
+def test_init_refuses_to_overwrite(tmp_path):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "mine.txt").write_text("user data")
+    with pytest.raises(InputError, match="not empty"):
+        init_model_dir(tmp_path / "m", "tiny")
+    assert (tmp_path / "m" / "mine.txt").read_text() == "user data"
+
+
+def test_module_casts_and_loads_without_pickle(tmp_path, monkeypatch):
+    init_model_dir(tmp_path / "m", "tiny")
+    # Loading must never unpickle: make torch.load explode and load anyway.
+    monkeypatch.setattr(torch, "load", lambda *a, **k: (_ for _ in ()).throw(AssertionError("pickle used")))
+    cls = COMPONENTS["vae"][1]
+    module = load_module("vae", cls, SIZES["tiny"].vae, tmp_path / "m" / "vae.safetensors")
+    module.to("cpu", torch.bfloat16)
+    assert module.dtype == torch.bfloat16 and module.device.type == "cpu"
+
+
+def test_vae_decoder_cache_makes_chunked_decoding_seamless():
+    cfg = SIZES["tiny"]
+    torch.manual_seed(0)
+    vae = COMPONENTS["vae"][1](cfg.vae).eval()
+    z = torch.randn(10, cfg.vae.latent_channels, 8, 8)
+    with torch.no_grad():
+        whole, _ = vae.decode(z)
+        a, cache = vae.decode(z[:4])
+        b, _ = vae.decode(z[4:], cache)
+        b_nocache, _ = vae.decode(z[4:])
+    assert torch.allclose(torch.cat([a, b]), whole, atol=1e-5)
+    assert not torch.allclose(b_nocache[:1], whole[4:5], atol=1e-3)  # the cache matters at the seam
+
+
+def test_dit_shapes_and_mask_conditioning():
+    cfg = SIZES["tiny"]
+    torch.manual_seed(0)
+    dit = COMPONENTS["dit"][1](cfg.dit).eval()
+    for p in dit.parameters():  # non-zero everywhere so every input reaches the output
+        torch.nn.init.normal_(p, std=0.2)
+    p = cfg.dit
+    L, C, n = 6, p.latent_channels, p.latent_size
+    args = dict(x=torch.randn(1, L, C, n, n), t=torch.rand(1, L), mask=torch.zeros(1, L, dtype=torch.bool),
+                audio=torch.randn(1, L, p.audio_dim), ref_lo=torch.randn(1, C, n, n),
+                ref_hi=torch.randn(1, C, 2 * n, 2 * n), text=torch.randn(1, 2, p.text_dim))
+    with torch.no_grad():
+        v = dit(**args)
+        assert v.shape == args["x"].shape
+        args2 = dict(args, audio=args["audio"].clone())
+        args2["audio"][0, 3] += 1.0  # audio of frame 3 changes
+        v2 = dit(**args2)
+        assert (v2 - v)[0, 3].abs().mean() > (v2 - v)[0, 0].abs().mean()  # mostly frame 3 moves
+        v3 = dit(**dict(args, text=args["text"][:, :0]))  # no prompt tokens: still works
+        assert v3.shape == v.shape and not torch.allclose(v3, v)

@@ -1,0 +1,95 @@
+"""Job spec: defaults, overrides, path resolution, and errors that name the key."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+from omegaconf import OmegaConf
+
+from avatar_cli.errors import SpecError
+from avatar_cli.spec import CONFIGS_DIR, JobSpec, load_job
+
+
+def write_job(folder: Path, text: str) -> Path:
+    path = folder / "job.yaml"
+    path.write_text(text)
+    return path
+
+
+BASE = "reference: ref.png\naudio: a.wav\noutput: out.mp4\n"
+
+
+def test_configs_default_matches_schema():
+    schema = OmegaConf.to_container(OmegaConf.structured(JobSpec))
+    for key in ("reference", "audio", "output"):
+        schema.pop(key)
+    defaults = yaml.safe_load((CONFIGS_DIR / "default.yaml").read_text())
+    # Every default in configs/ equals the schema's default (the file is the documented source).
+    for group in ("video", "sampling", "chunking", "runtime"):
+        for key, value in defaults[group].items():
+            expected = getattr(schema[group][key], "value", schema[group][key])  # enums compare by value
+            assert expected == value, f"{group}.{key}"
+        assert set(defaults[group]) == set(schema[group]), group
+    for key in ("prompt", "seed", "model"):
+        assert schema[key] == defaults[key]
+
+
+def test_relative_paths_resolve_against_job_folder(tmp_path, monkeypatch):
+    sub = tmp_path / "jobs"
+    sub.mkdir()
+    monkeypatch.chdir(tmp_path)
+    job = load_job(write_job(sub, BASE))
+    assert job.reference == sub / "ref.png"
+    assert job.audio == sub / "a.wav"
+    assert job.output == sub / "out.mp4"
+    assert job.partial_output == sub / "out.partial.mp4"
+
+
+def test_overrides_and_output_flag(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    job = load_job(write_job(tmp_path, BASE), ["video.fps=30", "seed=7", "chunking.transitions=false",
+                                               "prompt=smiling person"], output="elsewhere/x.mp4")
+    s = job.spec
+    assert (s.video.fps, s.seed, s.chunking.transitions, s.prompt) == (30.0, 7, False, "smiling person")
+    assert job.output == tmp_path / "elsewhere" / "x.mp4"
+    assert s.sampling.steps == 4  # untouched defaults stay
+
+
+@pytest.mark.parametrize("text,overrides,needle", [
+    (BASE + "colour: red\n", [], "unknown key 'colour'"),
+    (BASE + "video:\n  fpss: 30\n", [], "unknown key 'video.fpss'"),
+    (BASE, ["video.fps=fast"], "video.fps"),
+    (BASE, ["chunking.frames=1.5"], "chunking.frames"),
+    (BASE, ["runtime.device=tpu"], "runtime.device"),
+    (BASE, ["video.codec=vp9"], "video.codec"),
+    (BASE, ["nope.key=1"], "unknown key 'nope'"),
+    ("reference: ref.png\naudio: a.wav\n", [], "missing required key 'output'"),
+    (BASE, ["video.fps=0"], "video.fps must be positive"),
+    (BASE, ["video.fps=-25"], "video.fps must be positive"),
+    (BASE, ["chunking.frames=0"], "chunking.frames must be positive"),
+    (BASE, ["chunking.motion_frames=24"], "motion_frames must be smaller"),
+    (BASE, ["chunking.transition_frames=0"], "transition_frames must be positive"),
+    (BASE, ["chunking.motion_frames=10", "chunking.transition_frames=20"], "must not exceed chunking.frames"),
+    (BASE, ["video.width=255", "video.height=256"], "video.width"),
+    (BASE, ["video.width=256"], "set together"),
+    (BASE, ["sampling.steps=0"], "sampling.steps"),
+    (BASE, ["output=out.mov"], "output must end in .mp4"),
+    (BASE, ["video.fps"], "expected key=value"),
+    ("- a\n- b\n", [], "mapping"),
+    ("reference: [unclosed\n", [], "not valid YAML"),
+])
+def test_bad_specs_name_the_problem(tmp_path, text, overrides, needle):
+    with pytest.raises(SpecError) as e:
+        load_job(write_job(tmp_path, text), overrides)
+    assert needle in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_transitions_off_lifts_the_transition_rule(tmp_path):
+    job = load_job(write_job(tmp_path, BASE), ["chunking.transitions=false", "chunking.transition_frames=50"])
+    assert job.spec.chunking.transitions is False
+
+
+def test_missing_job_file(tmp_path):
+    with pytest.raises(SpecError, match="no such file"):
+        load_job(tmp_path / "nope.yaml")
