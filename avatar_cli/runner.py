@@ -42,13 +42,21 @@ def check_output(output: Path, force: bool) -> None:
         raise InputError(f"output: {output} is a folder; give a .mp4 file path")
     if output.exists() and not force:
         raise InputError(f"output: {output} already exists; pass --force to replace it")
+    # The folder may not exist yet (render creates it): check the nearest existing ancestor instead.
     folder = output.parent
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise InputError(f"output: cannot create folder {folder} ({e.strerror})") from None
+    while not folder.exists():
+        folder = folder.parent
+    if not folder.is_dir():
+        raise InputError(f"output: cannot create a folder under {folder}: it is a file")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise InputError(f"output: folder {folder} is not writable")
+
+
+def make_output_folder(output: Path) -> None:
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise InputError(f"output: cannot create folder {output.parent} ({e.strerror})") from None
 
 
 def prepare(job: Job, force: bool = False) -> Prepared:
@@ -84,6 +92,7 @@ def render(p: Prepared, reporter: Reporter) -> dict:
     chunks = pipeline.schedule(spec, p.frames)
 
     partial = p.job.partial_output
+    make_output_folder(p.job.output)
     writer = Mp4Writer(partial, width=p.size[0], height=p.size[1], fps=spec.video.fps, total_frames=p.frames,
                        audio_path=str(p.job.audio), codec=resolve_codec(spec.video.codec.value, str(runtime.device)),
                        crf=spec.video.crf, preset=spec.video.preset)
