@@ -133,6 +133,26 @@ def test_load_image_grayscale(tmp_path):
     assert (img == g).all()  # broadcast: each channel equals the gray value
 
 
+def with_exif_orientation(jpg: Path, orientation: int, dst: Path) -> Path:
+    """Insert an APP1 EXIF segment carrying only the Orientation tag (as phone cameras write it)."""
+    ifd = struct.pack(">H", 1) + struct.pack(">HHIHH", 0x0112, 3, 1, orientation, 0) + struct.pack(">I", 0)
+    app1 = b"Exif\x00\x00" + b"MM\x00\x2a" + struct.pack(">I", 8) + ifd
+    data = jpg.read_bytes()
+    dst.write_bytes(data[:2] + b"\xff\xe1" + struct.pack(">H", len(app1) + 2) + app1 + data[2:])
+    return dst
+
+
+@pytest.mark.parametrize("orientation,band_at", [(1, "top"), (3, "bottom"), (6, "right"), (8, "left")])
+def test_load_image_applies_exif_orientation(tmp_path, orientation, band_at):
+    stored = np.zeros((30, 50, 3), np.uint8)
+    stored[:10] = 255  # white band along the stored top edge
+    jpg = write_image(tmp_path / "s.jpg", stored, "mjpeg", "yuvj444p")
+    img = load_image(with_exif_orientation(jpg, orientation, tmp_path / "o.jpg"))
+    assert img.shape == ((30, 50, 3) if orientation in (1, 3) else (50, 30, 3))
+    edges = {"top": img[:5], "bottom": img[-5:], "left": img[:, :5], "right": img[:, -5:]}
+    assert {k for k, v in edges.items() if v.mean() > 200} == {band_at}
+
+
 def _bad_images(tmp_path: Path) -> dict[str, tuple[Path, str]]:
     png = write_image(tmp_path / "ok.png", gradient(20, 20), "png", "rgb24")
     text = tmp_path / "notes.png"
@@ -574,3 +594,14 @@ def test_aac_priming_constant_matches_encoder():
     f.sample_rate, f.pts, f.time_base = 16000, 0, Fraction(1, 16000)
     packets = list(ctx.encode(f)) + list(ctx.encode(None))
     assert packets[0].pts == -AAC_PRIMING
+
+
+def test_window_reader_jump_ahead_stays_bounded(tmp_path):
+    rate = 8000
+    path = write_wav_fast(tmp_path / "a.wav", tone(rate * 60, rate, 1, freq=250.0), rate)
+    with AudioWindowReader(path, 16000, history_s=2.0) as r:
+        r.read(0, 1000)
+        x = r.read(16000 * 50, 16000 * 51)  # 50 s ahead, no release in between
+        assert r.buffered_samples <= 16000 * 3 + 4096  # history + window + one decoded chunk
+        t = np.arange(16000 * 50, 16000 * 51) / 16000
+        np.testing.assert_allclose(x, 0.3 * np.sin(2 * np.pi * 250 * t), atol=5e-3)

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from avatar_cli.errors import InputError
+from avatar_cli.media._exif import apply_orientation, jpeg_orientation
 from avatar_cli.media._files import check_readable, input_error, reason
 
 __all__ = ["load_image", "save_png", "fit_square"]
@@ -36,6 +37,8 @@ def _to_rgb(frame: av.VideoFrame) -> np.ndarray:
 def load_image(path: str | Path, what: str = "reference") -> np.ndarray:
     """Decode the first video frame of `path` (png, jpg, webp, ...) as uint8 (H, W, 3) RGB.
 
+    Alpha is composited on white; JPEG EXIF orientation is applied.
+
     Raises InputError with one line `"{what}: {path}: problem"` for anything unusable.
     """
     check_readable(path, what)
@@ -49,13 +52,16 @@ def load_image(path: str | Path, what: str = "reference") -> np.ndarray:
                 raise input_error(what, path, "not an image (no picture could be decoded)")
             if frame.width <= 0 or frame.height <= 0:
                 raise input_error(what, path, f"image has zero size ({frame.width}x{frame.height})")
-            return _to_rgb(frame)
+            rgb = _to_rgb(frame)  # (H, W, 3) as stored
+            is_jpeg = container.format.name in ("jpeg_pipe", "image2") and stream.codec_context.name == "mjpeg"
     except InputError:
         raise
     except PermissionError:
         raise input_error(what, path, "permission denied") from None
     except (av.error.FFmpegError, OSError, ValueError) as exc:
         raise input_error(what, path, f"cannot decode as an image ({reason(exc)})") from None
+    # Phone photos: upright as the user saw them, not as the sensor stored them.
+    return apply_orientation(rgb, jpeg_orientation(path)) if is_jpeg else rgb
 
 
 def _png_chunk(kind: bytes, data: bytes) -> bytes:
