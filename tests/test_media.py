@@ -263,6 +263,14 @@ def test_probe_audio_truncated(tmp_path, long_sources, kind, frac):
     assert msg.startswith(f"audio: {bad}: ") and ("truncated" in msg or "corrupt" in msg) and "\n" not in msg
 
 
+def test_probe_audio_truncated_m4a(tmp_path):
+    src = write_audio(tmp_path / "a.m4a", "ipod", "aac", 44100, tone(3 * 44100, 44100, 1))
+    bad = cut(src, tmp_path / "cut.m4a", 0.6)  # the moov atom sits at the end: nothing to open
+    with pytest.raises(InputError) as info:
+        probe_audio(bad)
+    assert str(info.value).startswith(f"audio: {bad}: cannot decode")
+
+
 def test_probe_audio_corrupt_middle(tmp_path, long_sources):
     data = bytearray(long_sources["mp3"].read_bytes())
     mid = len(data) // 2
@@ -570,6 +578,14 @@ def test_writer_rejects_bad_arguments(tmp_path):
     with pytest.raises(ValueError, match="total_frames"):
         w.put(frames_rgb(3))
     w.close()
+
+
+def test_writer_bad_audio_is_input_error(tmp_path):
+    text = tmp_path / "a.wav"
+    text.write_text("nope")
+    for audio in (tmp_path / "missing.wav", text):
+        with pytest.raises(InputError, match=f"audio: {audio}: "):
+            Mp4Writer(tmp_path / "o.mp4", width=32, height=32, fps=25, total_frames=1, audio_path=str(audio))
 
 
 def test_resolve_codec():

@@ -96,7 +96,9 @@ def probe_audio(path: str | Path, what: str = "audio") -> AudioInfo:
                 samples += frame.samples * rate / frame.sample_rate
         except (av.error.FFmpegError, ValueError) as exc:
             at = samples / rate if rate else 0.0
-            raise input_error(what, path, f"corrupt audio: decoding failed at {at:.2f} s ({reason(exc)})") from None
+            header = _header_length(container, stream, path)
+            of = f" of {header.samples / header.sample_rate:.2f} s" if header else ""
+            raise input_error(what, path, f"corrupt or truncated audio: decoding failed at {at:.2f} s{of} ({reason(exc)})") from None
         decoded = round(samples)
         if decoded == 0:
             raise input_error(what, path, "the audio is empty (0 samples decoded)")

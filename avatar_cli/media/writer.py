@@ -196,8 +196,10 @@ class Mp4Writer:
                 self._container.close()
             except Exception:
                 pass  # the original error is the one to report
-            if isinstance(exc, (av.error.FFmpegError, OSError)):
+            if isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
                 raise InputError(f"output: {self.path}: cannot write ({reason(exc)})") from None
+            if isinstance(exc, av.error.FFmpegError):
+                raise RenderError(f"video: {self.path}: cannot start the {codec} encoder ({reason(exc)})") from None
             raise
 
         self._queue: queue.Queue[object] = queue.Queue(maxsize=max(1, int(queue_frames)))
@@ -244,7 +246,8 @@ class Mp4Writer:
         rate = native_rate if native_rate in AAC_RATES else 48000
         layout = "mono" if channels == 1 else "stereo"  # >2 channels: FFmpeg's stereo downmix
         stream = self._container.add_stream("aac", rate=rate, layout=layout)
-        stream.bit_rate = 64000 * (1 if layout == "mono" else 2)
+        # 64 kb/s per channel is transparent for speech; AAC allows at most 6 bits/sample/channel.
+        stream.bit_rate = (1 if layout == "mono" else 2) * min(64000, 6 * rate)
         stream.time_base = Fraction(1, rate)
         feed = _AudioFeed(str(audio_path), rate, layout)
         return stream, feed
