@@ -19,6 +19,7 @@ SAMPLE_RATE = 16000
 PEAK = 0.5
 _SALT = 0x5BEEC4
 _NFFT, _HOP = 512, 128
+_NOISE_LEVEL = 0.05  # noise=1 gives about the RMS of a sustained vowel at voiced=1
 
 # Peterson & Barney style formants (F1, F2, F3) in Hz for an adult male vocal tract.
 VOWELS: dict[str, tuple[float, float, float]] = {
@@ -130,11 +131,11 @@ def _syllable(
     t: float, dur: float, vowel: str, onset: str | None, coda: str | None, stressed: bool,
 ) -> float:
     level = rng.uniform(0.85, 1.0) if stressed else rng.uniform(0.45, 0.75)
+    t_start = t
     if onset is not None:
         t = _consonant(tr, spk, rng, sr, t, onset, level)
-    coda_len = rng.uniform(*_CONSONANTS[coda][1]) if coda else 0.0
-    v_len = max(0.06, dur - (t - 0.0) % 1e9 * 0 - coda_len - (dur * 0.0))
-    v_len = max(0.06, dur * 0.62 - coda_len * 0.3) if onset else max(0.06, dur - coda_len)
+    coda_len = _CONSONANTS[coda][1][1] if coda else 0.0
+    v_len = max(0.06, dur - (t - t_start) - coda_len)  # the vowel gets what is left
     formants = np.array(VOWELS[vowel]) * spk.formant_scale
     _segment(tr.voiced, sr, t, t + v_len, level, attack=0.03, release=0.06)
     _fill(tr.formants, sr, t - 0.02, t + v_len + 0.02, formants)
@@ -226,7 +227,10 @@ def _render(tr: _Tracks, spk: Speaker, rng: np.random.Generator, sr: int) -> np.
     env_v = _vowel_envelope(freqs, formants, spk.formant_scale)  # (K, F)
     nc, nw = tr.noise_centre[centres, None], tr.noise_width[centres, None]  # (K, 1)
     env_n = np.exp(-0.5 * ((freqs[None, :] - nc) / nw) ** 2) + 0.02  # (K, F)
-    return _istft(frames_v * env_v + frames_n * env_n * 6.0, n)
+    # Unit-power noise bands at a sustained vowel's level, so the consonant levels in
+    # _CONSONANTS read as "fraction of a vowel" whatever the band width.
+    env_n *= _NOISE_LEVEL / np.sqrt((env_n**2).mean(axis=1, keepdims=True))
+    return _istft(frames_v * env_v + frames_n * env_n, n)
 
 
 def _vowel_envelope(freqs: np.ndarray, formants: np.ndarray, scale: float) -> np.ndarray:
