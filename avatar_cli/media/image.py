@@ -53,7 +53,7 @@ def load_image(path: str | Path, what: str = "reference") -> np.ndarray:
             if frame.width <= 0 or frame.height <= 0:
                 raise input_error(what, path, f"image has zero size ({frame.width}x{frame.height})")
             rgb = _to_rgb(frame)  # (H, W, 3) as stored
-            is_jpeg = container.format.name in ("jpeg_pipe", "image2") and stream.codec_context.name == "mjpeg"
+            is_jpeg = stream.codec_context.name == "mjpeg"
     except InputError:
         raise
     except PermissionError:
