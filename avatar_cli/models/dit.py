@@ -6,6 +6,7 @@ embedding), so one network serves N chunks (clean motion frames at the start) an
 (clean anchors at both ends): the mask only says which frames are given.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -33,10 +34,15 @@ class DiTParams:
         return (self.latent_size // self.patch) ** 2
 
 
+# q, k, v (B, H, N, Dh) -> (B, H, N, Dh). Sequence parallelism swaps in its own (runtime/sequence_parallel.py).
+AttentionOp = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 class Attention(nn.Module):
     def __init__(self, dim: int, heads: int):
         super().__init__()
         self.heads = heads
+        self.attn_op: AttentionOp = F.scaled_dot_product_attention
         self.qkv = nn.Linear(dim, 3 * dim)
         self.q_norm = nn.RMSNorm(dim // heads)
         self.k_norm = nn.RMSNorm(dim // heads)
@@ -46,7 +52,7 @@ class Attention(nn.Module):
         q, k, v = self.qkv(x).unflatten(-1, (3, self.heads, -1)).permute(2, 0, 3, 1, 4)  # (B, H, N, Dh) each
         q = apply_rope(self.q_norm(q), cos, sin)  # (B, H, N, Dh)
         k = apply_rope(self.k_norm(k), cos, sin)  # (B, H, N, Dh)
-        a = F.scaled_dot_product_attention(q, k, v)  # (B, H, N, Dh)
+        a = self.attn_op(q, k, v)  # (B, H, N, Dh)
         return self.proj(a.transpose(1, 2).flatten(2))  # (B, N, D)
 
 
@@ -142,23 +148,29 @@ class DiT(nn.Module):
         x = x.permute(0, 1, 6, 2, 4, 3, 5)  # (B, L, C, h/p, p, w/p, p)
         return x.reshape(B, L, c, n * p, n * p)
 
-    def rope(self, n_ctx: int, frames: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin (Nc + L*P, Dh/2): video tokens rotate by (frame, row, col); context tokens don't rotate."""
+    def rope(self, n_ctx: int, frames: int, device: torch.device,
+             frame_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin (Nc + L*P, Dh/2): video tokens rotate by (frame, row, col); context tokens don't rotate.
+
+        frame_offset: index of the first of these frames in the chunk (non-zero on a sequence-parallel shard).
+        """
         n = self.params.latent_size // self.params.patch
         head_dim = self.params.dim // self.params.heads
-        t = torch.arange(frames, device=device).repeat_interleave(n * n)  # (L*P,)
+        t = torch.arange(frame_offset, frame_offset + frames, device=device).repeat_interleave(n * n)  # (L*P,)
         hw = torch.arange(n * n, device=device).repeat(frames)  # (L*P,)
         cos, sin = rope_3d(t, hw // n, hw % n, head_dim)  # (L*P, Dh/2)
         ones = torch.ones(n_ctx, head_dim // 2, device=device)
         return torch.cat([ones, cos]), torch.cat([ones * 0, sin])
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, mask: torch.Tensor, audio: torch.Tensor,
-                ref_lo: torch.Tensor, ref_hi: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+                ref_lo: torch.Tensor, ref_hi: torch.Tensor, text: torch.Tensor, frame_offset: int = 0) -> torch.Tensor:
         """Predict the flow velocity of every frame.
 
         x (B, L, C, h, w) latents (clean where mask is set); t (B, L) flow time per frame, 1 = clean;
         mask (B, L) bool; audio (B, L, audio_dim); ref_lo (B, C, h, w); ref_hi (B, C, 2h, 2w);
         text (B, Nt, text_dim), Nt may be 0.  Returns v (B, L, C, h, w).
+        frame_offset: where x's first frame sits in the chunk, for RoPE; a sequence-parallel rank passes
+        its shard's start (the other frames are reached through its attention op).
         """
         p = self.params
         B, L = x.shape[:2]
@@ -173,7 +185,7 @@ class DiT(nn.Module):
                  + self.audio_embed(audio)
                  + self.mask_embed(mask.long()))[:, :, None]  # (B, L, 1, D)
         c_ctx = self.ctx_cond.to(x.dtype).expand(B, -1, -1)  # (B, 1, D)
-        cos, sin = self.rope(ctx.shape[1], L, x.device)
+        cos, sin = self.rope(ctx.shape[1], L, x.device, frame_offset)
 
         for block in self.blocks:
             ctx, vid = block(ctx, vid, c_ctx, c_vid, cos, sin)

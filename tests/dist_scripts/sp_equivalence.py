@@ -1,0 +1,76 @@
+"""torchrun --nproc_per_node 2: FSDP2 + Ulysses over the ranks must equal the plain DiT on one rank.
+
+Prints one JSON line on rank 0 with the max abs differences; exits non-zero on any mismatch.
+"""
+
+import copy
+import dataclasses
+import json
+import sys
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from avatar_cli.models.family import SIZES
+from avatar_cli.runtime.distributed import init_distributed
+from avatar_cli.runtime.parallelize import parallelize_model, reshard_stage
+from avatar_cli.runtime.sequence_parallel import SequenceParallelDiT
+from common import inputs, tiny_dit
+
+TOL = 3e-5  # outputs reach |9|; float32 reduction-order noise is ~6e-6
+
+
+def gathered(model: torch.nn.Module) -> bool:
+    """True when the first block holds its full parameters (not its DTensor shard)."""
+    return not isinstance(model.blocks[0].attn.qkv.weight, DTensor)
+
+
+@torch.no_grad()  # not inference_mode: FSDP2 fails under it in torch 2.14
+def main() -> int:
+    d = init_distributed("cpu")
+    assert d.world_size == 2, d
+    p = SIZES["tiny"].dit
+    results: dict[str, float] = {}
+    ok = True
+    for reshard in ("per_block", "per_stage"):
+        plain = tiny_dit(seed=0)
+        sharded = SequenceParallelDiT(parallelize_model(copy.deepcopy(plain), d.mesh, reshard=reshard), d.group)
+        # Odd frame counts pad the last shard; 1 frame leaves rank 1 with padding only; no text tokens too.
+        for frames, nt in ((5, 3), (4, 0), (1, 2)):
+            args = inputs(p, frames, nt, seed=frames)
+            want = plain(*args)  # (1, L, C, h, w)
+            for step in range(2):  # a second step: per_stage reuses the parameters it kept gathered
+                got = sharded(*args)
+                diff = (got - want).abs().max().item()
+                results[f"{reshard}/L{frames}/text{nt}/step{step}"] = diff
+                ok &= got.shape == want.shape and diff < TOL
+            results[f"L{frames}/out_absmax"] = want.abs().max().item()
+            # per_stage keeps the blocks gathered (plain tensors) until reshard_stage; per_block does not.
+            ok &= gathered(sharded.dit) == (reshard == "per_stage")
+            reshard_stage(sharded.dit)
+            ok &= not gathered(sharded.dit)
+        # After reshard_stage every parameter is back to its 1/world shard.
+        local = sum(prm.to_local().numel() for prm in sharded.dit.parameters())
+        full = sum(prm.numel() for prm in plain.parameters())
+        ok &= local < full
+        results[f"{reshard}/local_param_fraction"] = local / full
+        agreed = d.agree(frames, "frame count")
+        ok &= agreed == frames and d.broadcast_object(d.rank) == 0
+
+    # A head count the degree does not divide must fail at construction, naming both numbers.
+    try:
+        SequenceParallelDiT(tiny_dit(params=dataclasses.replace(p, heads=1)), d.group)
+        ok = False
+        results["heads_error"] = 0.0
+    except ValueError as e:
+        ok &= "dit.heads=1" in str(e) and "degree 2" in str(e)
+        results["heads_error"] = 1.0
+
+    if d.is_main:
+        print(json.dumps({"ok": ok, **results}), flush=True)
+    d.destroy()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

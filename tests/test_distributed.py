@@ -1,0 +1,123 @@
+"""Multi-rank runtime on CPU (gloo): 2 ranks under torchrun equal 1 rank; a dead or stuck rank ends the others."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from avatar_cli.models.dit import DiT
+from avatar_cli.models.family import SIZES
+from avatar_cli.runtime.distributed import Dist, init_distributed
+from avatar_cli.runtime.sequence_parallel import check_degree
+
+SCRIPTS = Path(__file__).parent / "dist_scripts"
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+FAIL_WITHIN_S = 60.0
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(SCRIPTS), **extra)
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_ranks_fsdp_and_sequence_parallel_equal_one_rank():
+    r = subprocess.run([*TORCHRUN, str(SCRIPTS / "sp_equivalence.py")], env=_env(), capture_output=True,
+                       text=True, timeout=120)
+    lines = [line for line in r.stdout.splitlines() if line.startswith("{")]
+    assert r.returncode == 0 and lines, r.stdout[-2000:] + r.stderr[-4000:]
+    res = json.loads(lines[-1])
+    assert res["ok"] is True
+    diffs = {k: v for k, v in res.items() if "/step" in k}
+    assert len(diffs) == 12 and max(diffs.values()) < 3e-5, diffs
+    assert res["L5/out_absmax"] > 1.0  # the outputs are not trivially zero
+    assert 0.45 < res["per_block/local_param_fraction"] < 0.55  # each rank holds about half
+    assert res["heads_error"] == 1.0
+
+
+def test_killed_rank_ends_the_other_under_torchrun():
+    t0 = time.monotonic()
+    r = subprocess.run([*TORCHRUN, str(SCRIPTS / "kill_rank.py"), "die"], env=_env(), capture_output=True,
+                       text=True, timeout=FAIL_WITHIN_S + 30)
+    elapsed = time.monotonic() - t0
+    assert r.returncode != 0
+    assert "rank 1: die at chunk 3" in r.stdout
+    assert "unreachable" not in r.stdout
+    assert elapsed < FAIL_WITHIN_S
+
+
+@pytest.mark.parametrize("mode", ["die", "hang"])
+def test_surviving_rank_exits_nonzero_on_its_own(mode):
+    """No torchrun agent to clean up: rank 0 must fail by itself (peer reset, or the collective timeout)."""
+    port = str(_free_port())
+    procs = [subprocess.Popen([sys.executable, str(SCRIPTS / "kill_rank.py"), mode],
+                              env=_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE="2", RANK=str(r),
+                                       LOCAL_RANK=str(r), AVATAR_DIST_TIMEOUT_S="5"),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    t0 = time.monotonic()
+    try:
+        _, err = procs[0].communicate(timeout=FAIL_WITHIN_S)
+        elapsed = time.monotonic() - t0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
+    assert procs[0].returncode != 0, err[-2000:]
+    assert elapsed < FAIL_WITHIN_S
+    # die: gloo sees the peer's socket close; hang: only our collective timeout can end it.
+    expected = ("Connection", "Timed out") if mode == "die" else ("Timed out",)
+    assert any(e in err for e in expected), err[-2000:]
+
+
+def test_without_torchrun_there_are_no_distributed_calls(monkeypatch):
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    d = init_distributed("cpu")
+    assert d == Dist() and d.is_main and not d.enabled and d.group is None
+    assert not dist.is_initialized()
+    assert d.broadcast_object({"frames": 7}) == {"frames": 7}
+    assert d.agree(7, "frames") == 7
+    d.barrier()
+    d.destroy()
+
+
+def test_torchrun_with_one_process_stays_single(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert not init_distributed("cpu").enabled
+    assert not dist.is_initialized()
+
+
+def test_heads_not_divisible_by_degree_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"dit.heads=6 is not divisible by the degree 4"):
+        check_degree(6, 4)
+    check_degree(6, 3)
+
+
+def test_default_attention_op_is_sdpa_and_frame_offset_zero_is_unchanged():
+    torch.manual_seed(0)
+    dit = DiT(SIZES["tiny"].dit).eval()
+    assert all(b.attn.attn_op is F.scaled_dot_product_attention for b in dit.blocks)
+    n_ctx, frames = 3, 2
+    cos0, _ = dit.rope(n_ctx, frames, torch.device("cpu"))
+    cos1, _ = dit.rope(n_ctx, frames, torch.device("cpu"), frame_offset=1)
+    P = SIZES["tiny"].dit.tokens_per_frame
+    # Frame 1 of the unshifted table is frame 0 of the table shifted by one.
+    assert torch.equal(cos0[n_ctx + P: n_ctx + 2 * P], cos1[n_ctx: n_ctx + P])
+    assert not torch.equal(cos0, cos1)
