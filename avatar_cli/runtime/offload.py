@@ -1,0 +1,375 @@
+"""Offload for the single-GPU path: models that are not running live in pinned host memory.
+
+`BlockOffloader` (policy "block") streams a model's transformer blocks onto the device just in time:
+- every block's parameters live in one contiguous pinned host slab (one copy per block, no per-tensor calls);
+- two device buffers, each the size of the largest block: while block n computes from one, block n+1 is
+  copied into the other on a side stream (double buffer). The compute stream waits on the copy's
+  event, and a copy into a buffer waits on the event recorded after the previous user's kernels;
+  nothing calls synchronize;
+- the parameters outside the blocks (embedders, final layer) are loaded once when the stage starts;
+- when the stage ends the device copies are dropped by pointing each `param.data` back at its host
+  view: nothing is copied back (inference never changes a weight).
+`ModelOffloader` (policy "model") does the same with the whole model as one slab: on the device for
+its stage, dropped after.
+
+The device sits behind `Transfer`, so tests run the same state machine with the CPU standing in for
+the GPU (`HostTransfer`: copies are plain copies, events are no-ops, allocations are counted).
+Everything is attached from outside with forward pre-hooks; the models' forward is untouched.
+torch 2.14's FSDP2 CPU offload copies synchronously at world size 1, hence this module.
+"""
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+ALIGN = 256  # bytes; keeps every view aligned for any dtype and for vectorized copies
+
+OffloadPolicy = Literal["auto", "none", "model", "block"]
+
+
+class Transfer(Protocol):
+    """What the offloader needs from a device: memory on both sides, async copies, events."""
+
+    def host_empty(self, nbytes: int) -> torch.Tensor: ...  # uint8, pinned where that exists
+    def device_empty(self, nbytes: int) -> torch.Tensor: ...  # uint8 on the compute device
+    def free(self, buf: torch.Tensor) -> None: ...  # the offloader drops its last reference after this
+    def load(self, dst: torch.Tensor, src: torch.Tensor, after: Any, label: str) -> Any: ...  # -> done event
+    def compute_mark(self) -> Any: ...  # event after all compute queued so far
+    def wait(self, event: Any) -> None: ...  # compute waits for `event` (not the host)
+    def is_device(self, t: torch.Tensor) -> bool: ...
+
+
+class CudaTransfer:
+    """Copies on a dedicated load stream; ordering by CUDA events only."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+
+    def host_empty(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def device_empty(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def free(self, buf: torch.Tensor) -> None:
+        pass  # the caching allocator takes it back; the offloader made compute wait on every copy first
+
+    def load(self, dst: torch.Tensor, src: torch.Tensor, after: Any, label: str) -> torch.cuda.Event:
+        with torch.cuda.stream(self.stream):
+            if after is not None:
+                self.stream.wait_event(after)  # the buffer's previous block has finished computing
+            dst.copy_(src, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return done
+
+    def compute_mark(self) -> torch.cuda.Event:
+        e = torch.cuda.Event()
+        e.record(torch.cuda.current_stream(self.device))
+        return e
+
+    def wait(self, event: Any) -> None:
+        torch.cuda.current_stream(self.device).wait_event(event)
+
+    def is_device(self, t: torch.Tensor) -> bool:
+        return t.device.type == "cuda"
+
+
+class HostTransfer:
+    """The CPU standing in for the GPU: same calls, and a log of what happened.
+
+    Like a side stream, a copy does not land when issued: it lands when compute waits on its
+    event (copies land in issue order). Fresh "device" memory is filled with 0xFF bytes (NaN in
+    floats), so a block used without waiting for its copy gives a visibly wrong result. A copy
+    into a buffer whose contents were put to use must be ordered after a compute mark taken
+    since then (on a GPU it would otherwise overwrite weights a kernel is still reading).
+    """
+
+    def __init__(self) -> None:
+        self.loads: list[str] = []  # labels, in issue order
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self._device_ptrs: dict[int, int] = {}  # data_ptr -> nbytes of each "device" allocation
+        self._queue: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (event id, dst, src) in flight
+        self._next_event = 0
+        self._clock = 0  # advances at every landing and compute mark
+        self._in_use_since: dict[int, int] = {}  # buffer data_ptr -> clock when its last copy landed
+
+    def host_empty(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def device_empty(self, nbytes: int) -> torch.Tensor:
+        buf = torch.full((nbytes,), 0xFF, dtype=torch.uint8)
+        self._device_ptrs[buf.data_ptr()] = nbytes
+        self.live_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        return buf
+
+    def free(self, buf: torch.Tensor) -> None:
+        if any(dst.untyped_storage().data_ptr() == buf.data_ptr() for _, dst, _ in self._queue):
+            raise RuntimeError("freed a device buffer with a copy into it still in flight")
+        self._in_use_since.pop(buf.data_ptr(), None)
+        self.live_bytes -= self._device_ptrs.pop(buf.data_ptr())
+
+    def load(self, dst: torch.Tensor, src: torch.Tensor, after: Any, label: str) -> int:
+        since = self._in_use_since.get(dst.untyped_storage().data_ptr())
+        if since is not None and (after is None or after <= since):
+            raise RuntimeError(f"copy of {label} into a buffer whose last user may still be computing")
+        self.loads.append(label)
+        self._next_event += 1
+        self._queue.append((self._next_event, dst, src))
+        return self._next_event
+
+    def compute_mark(self) -> int:
+        self._clock += 1  # compute is synchronous here: everything queued so far has run
+        return self._clock
+
+    def wait(self, event: int) -> None:
+        while self._queue and self._queue[0][0] <= event:
+            _, dst, src = self._queue.pop(0)
+            dst.copy_(src)
+            self._clock += 1
+            self._in_use_since[dst.untyped_storage().data_ptr()] = self._clock
+
+    def is_device(self, t: torch.Tensor) -> bool:
+        ptr = t.untyped_storage().data_ptr()
+        return any(p <= ptr < p + n for p, n in self._device_ptrs.items())
+
+
+def make_transfer(device: torch.device) -> Transfer:
+    return CudaTransfer(device) if device.type == "cuda" else HostTransfer()
+
+
+@dataclass
+class _Group:
+    """Parameters packed into one host slab; `offsets` place each one in any same-sized buffer."""
+
+    label: str
+    params: list[nn.Parameter]
+    offsets: list[int]
+    nbytes: int
+    slab: torch.Tensor  # (nbytes,) uint8 host
+    host_views: list[torch.Tensor]
+
+    def views(self, buf: torch.Tensor) -> list[torch.Tensor]:
+        return [buf[o:o + p.nbytes].view(p.dtype).view(p.shape) for p, o in zip(self.params, self.offsets)]
+
+    def point_at(self, views: list[torch.Tensor]) -> None:
+        for p, v in zip(self.params, views):
+            p.data = v  # a pointer swap: no copy
+
+
+def _pack(label: str, params: list[nn.Parameter], transfer: Transfer) -> _Group:
+    offsets, n = [], 0
+    for p in params:
+        offsets.append(n)
+        n += -(-p.nbytes // ALIGN) * ALIGN
+    slab = transfer.host_empty(max(n, ALIGN))
+    group = _Group(label, params, offsets, n, slab, [])
+    group.host_views = group.views(slab)
+    for p, v in zip(params, group.host_views):
+        v.copy_(p.data.to("cpu"))
+    group.point_at(group.host_views)
+    return group
+
+
+def _unique_params(module: nn.Module) -> list[nn.Parameter]:
+    if any(True for _ in module.buffers()):
+        raise ValueError(f"{type(module).__name__}: offload handles parameters only; this module has buffers")
+    return list({id(p): p for p in module.parameters()}.values())
+
+
+class BlockOffloader:
+    """Double-buffered block streaming for `model.blocks` (see the module docstring).
+
+    The stage starts at the model's first forward (or `begin()`); call `end()` when it ends, or use
+    `with offloader.stage():`. Between forwards of one stage (denoising steps) the prefetch wraps
+    around: the last block starts block 0's copy for the next step.
+    """
+
+    def __init__(self, model: nn.Module, transfer: Transfer, blocks: nn.ModuleList | None = None):
+        self.transfer = transfer
+        blocks = blocks if blocks is not None else model.blocks
+        in_blocks = {id(p) for b in blocks for p in b.parameters()}
+        root = [p for p in _unique_params(model) if id(p) not in in_blocks]
+        self.root = _pack("root", root, transfer)
+        self.blocks = [_pack(f"block {i}", _unique_params(b), transfer) for i, b in enumerate(blocks)]
+        self.block_bytes = max(g.nbytes for g in self.blocks)
+        self.active = False
+        self._bufs: list[torch.Tensor] = []  # 2 device buffers of block_bytes
+        self._root_buf: torch.Tensor | None = None
+        self._resident: list[int | None] = [None, None]  # block swapped in, per buffer
+        self._pending: dict[int, tuple[int, Any]] = {}  # block -> (buffer, copy-done event)
+        self._free_after: list[Any] = [None, None]  # per buffer: compute event its next copy waits for
+        self._current: int | None = None
+        self._hooks = [model.register_forward_pre_hook(lambda *_: None if self.active else self.begin())]
+        self._hooks += [b.register_forward_pre_hook(self._enter_hook(i)) for i, b in enumerate(blocks)]
+
+    @property
+    def bound_bytes(self) -> int:
+        """Device bytes this offloader ever holds: the non-block parameters and two block buffers."""
+        return self.root.nbytes + 2 * self.block_bytes
+
+    def begin(self) -> None:
+        if self.active:
+            return
+        t = self.transfer
+        self._root_buf = t.device_empty(max(self.root.nbytes, ALIGN))
+        self._bufs = [t.device_empty(self.block_bytes) for _ in range(2)]
+        self.active = True
+        root_done = t.load(self._root_buf[:self.root.nbytes], self.root.slab[:self.root.nbytes], None, "root")
+        self._issue(0, 0)  # block 0 rides the load stream right behind: it lands while the embedders run
+        t.wait(root_done)
+        self.root.point_at(self.root.views(self._root_buf))
+
+    def end(self) -> None:
+        """Drop every device copy by pointer swap and give the buffers back."""
+        if not self.active:
+            return
+        t = self.transfer
+        for _, done in self._pending.values():
+            t.wait(done)  # a buffer must not be reused while a copy into it is in flight
+        for g in [self.root] + self.blocks:
+            g.point_at(g.host_views)
+        for buf in [self._root_buf, *self._bufs]:
+            t.free(buf)
+        self._root_buf, self._bufs = None, []
+        self._resident, self._pending, self._free_after, self._current = [None, None], {}, [None, None], None
+        self.active = False
+
+    @contextlib.contextmanager
+    def stage(self) -> Iterator[None]:
+        self.begin()
+        try:
+            yield
+        finally:
+            self.end()
+
+    def remove(self) -> None:
+        """End any stage and detach the hooks; parameters stay in their host slabs."""
+        self.end()
+        for h in self._hooks:
+            h.remove()
+
+    def _enter_hook(self, i: int):
+        def hook(_module: nn.Module, _args: Any) -> None:
+            self._enter(i)
+        return hook
+
+    def _issue(self, i: int, buf: int) -> None:
+        """Start copying block i into buffer `buf`, once that buffer's last user has computed."""
+        self._pending = {b: v for b, v in self._pending.items() if v[0] != buf}  # a later copy replaces it
+        g = self.blocks[i]
+        done = self.transfer.load(self._bufs[buf][:g.nbytes], g.slab[:g.nbytes], self._free_after[buf], g.label)
+        self._pending[i] = (buf, done)
+
+    def _evict(self, buf: int) -> None:
+        """Point the block in `buf` back at its host slab; its kernels are all queued before this mark."""
+        j = self._resident[buf]
+        if j is not None:
+            self.blocks[j].point_at(self.blocks[j].host_views)
+            self._free_after[buf] = self.transfer.compute_mark()
+            self._resident[buf] = None
+
+    def _enter(self, i: int) -> None:
+        if not self.active:
+            self.begin()
+        if i in self._resident:
+            buf = self._resident.index(i)
+        else:
+            if i not in self._pending:  # out of order (not prefetched): load into the buffer not in use
+                cur = self._resident.index(self._current) if self._current in self._resident else 1
+                buf = 1 - cur
+                self._evict(buf)
+                self._issue(i, buf)
+            buf, done = self._pending.pop(i)
+            self.transfer.wait(done)
+            self._evict(buf)
+            self.blocks[i].point_at(self.blocks[i].views(self._bufs[buf]))
+            self._resident[buf] = i
+        self._current = i
+        # Prefetch: block i+1 (block 0 after the last) into the other buffer, once block i-1 is done.
+        nxt, other = (i + 1) % len(self.blocks), 1 - buf
+        if nxt not in self._resident and nxt not in self._pending:
+            self._evict(other)
+            self._issue(nxt, other)
+
+
+class ModelOffloader:
+    """Policy "model": the whole model is one slab, on the device for its stage and dropped after."""
+
+    def __init__(self, model: nn.Module, transfer: Transfer):
+        self.transfer = transfer
+        self.group = _pack("model", _unique_params(model), transfer)
+        self.active = False
+        self._buf: torch.Tensor | None = None
+        self._hook = model.register_forward_pre_hook(lambda *_: None if self.active else self.begin())
+
+    @property
+    def bound_bytes(self) -> int:
+        return self.group.nbytes
+
+    def begin(self) -> None:
+        if self.active:
+            return
+        t, g = self.transfer, self.group
+        self._buf = t.device_empty(max(g.nbytes, ALIGN))
+        t.wait(t.load(self._buf[:g.nbytes], g.slab[:g.nbytes], None, g.label))
+        g.point_at(g.views(self._buf))
+        self.active = True
+
+    def end(self) -> None:
+        if not self.active:
+            return
+        self.group.point_at(self.group.host_views)
+        self.transfer.free(self._buf)
+        self._buf, self.active = None, False
+
+    @contextlib.contextmanager
+    def stage(self) -> Iterator[None]:
+        self.begin()
+        try:
+            yield
+        finally:
+            self.end()
+
+    def remove(self) -> None:
+        self.end()
+        self._hook.remove()
+
+
+def model_bytes(model: nn.Module) -> int:
+    return sum(p.nbytes for p in model.parameters())
+
+
+def choose_offload(policy: OffloadPolicy, free_bytes: int, model_sizes: dict[str, int],
+                   working_bytes: int = 0) -> Literal["none", "model", "block"]:
+    """Resolve `runtime.offload`; "auto" decides from free device memory, and the decision is logged.
+
+    model_sizes: parameter bytes per model; working_bytes: activations and workspace the largest
+    stage needs on top of its weights (keep a margin: the allocator fragments).
+    - "none": every model fits at once, with the working set;
+    - "model": the largest model fits whole while it runs, the rest wait in pinned host memory;
+    - "block": even that doesn't fit; stream the blocks.
+    """
+    if policy != "auto":
+        log.info("offload: %s (set by runtime.offload)", policy)
+        return policy
+    total, largest = sum(model_sizes.values()), max(model_sizes.values(), default=0)
+    if total + working_bytes <= free_bytes:
+        choice = "none"
+    elif largest + working_bytes <= free_bytes:
+        choice = "model"
+    else:
+        choice = "block"
+    gib = 2**30
+    log.info("offload: auto chose %s (free %.2f GiB; models %.2f GiB in all, largest %.2f GiB; working %.2f GiB)",
+             choice, free_bytes / gib, total / gib, largest / gib, working_bytes / gib)
+    return choice

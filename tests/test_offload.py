@@ -1,0 +1,143 @@
+"""The block offloader's state machine, with the CPU standing in for the GPU (HostTransfer)."""
+
+import copy
+import dataclasses
+import logging
+
+import pytest
+import torch
+
+from avatar_cli.models.dit import DiT
+from avatar_cli.models.family import SIZES
+from avatar_cli.models.text import TextEncoder
+from avatar_cli.runtime.offload import ALIGN, BlockOffloader, HostTransfer, ModelOffloader, choose_offload
+
+DEPTH = 4  # more blocks than buffers, so blocks really stream through the double buffer
+
+
+def _dit() -> DiT:
+    g = torch.Generator().manual_seed(0)
+    model = DiT(dataclasses.replace(SIZES["tiny"].dit, depth=DEPTH)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)  # non-zero gates: every block matters
+    return model
+
+
+def _inputs(frames: int = 3) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(1)
+    p = SIZES["tiny"].dit
+    c, s = p.latent_channels, p.latent_size
+    return (torch.randn(1, frames, c, s, s, generator=g), torch.rand(1, frames, generator=g),
+            torch.zeros(1, frames, dtype=torch.bool), torch.randn(1, frames, p.audio_dim, generator=g),
+            torch.randn(1, c, s, s, generator=g), torch.randn(1, c, 2 * s, 2 * s, generator=g),
+            torch.randn(1, 2, p.text_dim, generator=g))
+
+
+def _padded(params) -> int:
+    return sum(-(-p.nbytes // ALIGN) * ALIGN for p in params)
+
+
+@torch.no_grad()
+def test_block_offload_state_machine_and_outputs():
+    plain = _dit()
+    model = copy.deepcopy(plain)
+    t = HostTransfer()
+    off = BlockOffloader(model, t)
+    host_ptrs = [p.data_ptr() for p in model.parameters()]
+    assert not any(t.is_device(p) for p in model.parameters())
+
+    seen: list[int] = []
+
+    def check(i: int):
+        def hook(block, _args):
+            # This block's parameters are on the device when it runs; at most 2 blocks ever are.
+            assert all(t.is_device(p) for p in block.parameters()), f"block {i} not loaded"
+            assert all(t.is_device(p) for p in model.final.parameters())  # non-block params too
+            on_device = [j for j, b in enumerate(model.blocks) if any(t.is_device(p) for p in b.parameters())]
+            assert i in on_device and len(on_device) <= 2, on_device
+            for j in on_device:  # and each points at its own weights, not a buffer refilled for another block
+                for p, q in zip(model.blocks[j].parameters(), plain.blocks[j].parameters()):
+                    assert torch.equal(p, q), f"block {j} sees stale or foreign weights while block {i} runs"
+            seen.append(i)
+        return hook
+
+    # Registered after the offloader's hooks, so they run after its swap.
+    for i, b in enumerate(model.blocks):
+        b.register_forward_pre_hook(check(i))
+
+    args = _inputs()
+    with off.stage():
+        outs = [model(*args) for _ in range(2)]  # two denoising steps of one stage
+    assert seen == list(range(DEPTH)) * 2
+    for out in outs:
+        assert torch.equal(out, plain(*args))
+
+    # Loads in block order: root, then blocks 0..3 each step; the last block prefetches block 0.
+    assert t.loads == ["root"] + [f"block {i}" for i in list(range(DEPTH)) * 2] + ["block 0"]
+
+    # After the stage: nothing on the device, every parameter back on its original host slab (no copy back).
+    assert not any(t.is_device(p) for p in model.parameters())
+    assert [p.data_ptr() for p in model.parameters()] == host_ptrs
+    assert t.live_bytes == 0
+
+    # Peak device bytes: the non-block parameters plus two (largest) blocks, never more.
+    block_ids = {id(p) for b in model.blocks for p in b.parameters()}
+    root = _padded(p for p in model.parameters() if id(p) not in block_ids)
+    largest = max(_padded(b.parameters()) for b in model.blocks)
+    assert t.peak_bytes <= root + 2 * largest
+    assert t.peak_bytes < _padded(model.parameters())  # less than the whole model resident
+
+    # A second stage starts by itself at the first forward, and gives the same result.
+    out = model(*args)
+    assert off.active and torch.equal(out, outs[0])
+    off.end()
+    assert not any(t.is_device(p) for p in model.parameters())
+
+
+@torch.no_grad()
+def test_block_offload_text_encoder_and_remove():
+    text = TextEncoder(SIZES["tiny"].text).eval()
+    plain = copy.deepcopy(text)
+    t = HostTransfer()
+    off = BlockOffloader(text, t)
+    ids = torch.tensor([[1, 2, 3]])
+    with off.stage():
+        assert torch.equal(text(ids), plain(ids))
+    off.remove()
+    assert torch.equal(text(ids), plain(ids))  # no hooks left: plain host parameters
+    assert not off.active and t.loads == ["root", "block 0"]  # depth 1: nothing to prefetch
+
+
+@torch.no_grad()
+def test_model_offload_holds_whole_model_only_during_stage():
+    plain = _dit()
+    model = copy.deepcopy(plain)
+    t = HostTransfer()
+    off = ModelOffloader(model, t)
+    args = _inputs()
+    out = model(*args)  # starts the stage by itself
+    assert all(t.is_device(p) for p in model.parameters())
+    assert torch.equal(out, plain(*args))
+    off.end()
+    assert not any(t.is_device(p) for p in model.parameters()) and t.live_bytes == 0
+    assert t.peak_bytes == _padded(model.parameters())
+
+
+def test_offload_rejects_modules_with_buffers():
+    m = torch.nn.Module()
+    m.blocks = torch.nn.ModuleList([torch.nn.BatchNorm1d(4)])
+    with pytest.raises(ValueError, match="buffers"):
+        BlockOffloader(m, HostTransfer())
+
+
+def test_choose_offload_decides_from_free_memory_and_logs(caplog):
+    gib = 2**30
+    sizes = {"dit": 28 * gib, "sr": 4 * gib, "vae": 1 * gib}
+    with caplog.at_level(logging.INFO, logger="avatar_cli.runtime.offload"):
+        assert choose_offload("auto", 70 * gib, sizes, working_bytes=8 * gib) == "none"
+        assert choose_offload("auto", 40 * gib, sizes, working_bytes=8 * gib) == "model"
+        assert choose_offload("auto", 20 * gib, sizes, working_bytes=8 * gib) == "block"
+        assert choose_offload("block", 80 * gib, sizes) == "block"
+    assert "auto chose block" in caplog.text and "free 20.00 GiB" in caplog.text
+    assert "set by runtime.offload" in caplog.text
