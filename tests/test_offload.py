@@ -1,8 +1,12 @@
-"""The block offloader's state machine, with the CPU standing in for the GPU (HostTransfer)."""
+"""The block offloader's state machine, with the CPU standing in for the GPU (HostTransfer); NUMA placement
+(which precedes any pinned allocation) through a fake sysfs tree."""
 
 import copy
 import dataclasses
 import logging
+import os
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,6 +14,7 @@ import torch
 from avatar_cli.models.dit import DiT
 from avatar_cli.models.family import SIZES
 from avatar_cli.models.text import TextEncoder
+from avatar_cli.runtime import numa
 from avatar_cli.runtime.offload import ALIGN, BlockOffloader, HostTransfer, ModelOffloader, choose_offload
 
 DEPTH = 4  # more blocks than buffers, so blocks really stream through the double buffer
@@ -141,3 +146,61 @@ def test_choose_offload_decides_from_free_memory_and_logs(caplog):
         assert choose_offload("block", 80 * gib, sizes) == "block"
     assert "auto chose block" in caplog.text and "free 20.00 GiB" in caplog.text
     assert "set by runtime.offload" in caplog.text
+
+
+# NUMA placement
+
+def _sysfs(root: Path, address: str, node: str, cpulists: dict[int, str]) -> Path:
+    dev = root / "bus/pci/devices" / address
+    dev.mkdir(parents=True)
+    (dev / "numa_node").write_text(node + "\n")
+    for n, text in cpulists.items():
+        d = root / f"devices/system/node/node{n}"
+        d.mkdir(parents=True)
+        (d / "cpulist").write_text(text + "\n")
+    return root
+
+
+@pytest.mark.parametrize("text, cpus", [("0-3,8,10-11", {0, 1, 2, 3, 8, 10, 11}), ("5", {5}), ("", set()),
+                                        ("0-1\n", {0, 1})])
+def test_parse_cpulist(text, cpus):
+    assert numa.parse_cpulist(text) == cpus
+
+
+def test_pci_address_matches_sysfs_spelling():
+    assert numa.pci_address(0, 0x3B, 0) == "0000:3b:00.0"
+    assert numa.pci_address(1, 0xC1, 0x1F) == "0001:c1:1f.0"
+
+
+def test_numa_node_lookup(tmp_path):
+    root = _sysfs(tmp_path, "0000:3b:00.0", "1", {0: "0-7", 1: "8-15"})
+    assert numa.numa_node("0000:3b:00.0", root) == 1
+    assert numa.node_cpus(1, root) == set(range(8, 16))
+    assert numa.numa_node("0000:99:00.0", root) is None  # unknown device
+    assert numa.node_cpus(5, root) == set()
+
+
+def test_minus_one_means_node_zero(tmp_path):
+    root = _sysfs(tmp_path, "0000:01:00.0", "-1", {0: "0-1"})
+    assert numa.numa_node("0000:01:00.0", root) == 0
+
+
+def test_bind_uses_device_properties_and_sets_affinity(tmp_path, monkeypatch):
+    mine = sorted(os.sched_getaffinity(0))
+    root = _sysfs(tmp_path, "0000:3b:00.0", "1", {1: f"{mine[0]},100000"})  # a CPU we may not use is dropped
+    props = SimpleNamespace(pci_domain_id=0, pci_bus_id=0x3B, pci_device_id=0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
+    calls = []
+    monkeypatch.setattr(os, "sched_setaffinity", lambda pid, cpus: calls.append((pid, set(cpus))))
+    assert numa.bind_to_gpu_node(torch.device("cuda", 0), root) == {mine[0]}
+    assert calls == [(0, {mine[0]})]
+
+
+def test_unknown_node_changes_nothing_and_logs_one_line(tmp_path, monkeypatch, caplog):
+    props = SimpleNamespace(pci_domain_id=0, pci_bus_id=0x3B, pci_device_id=0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
+    monkeypatch.setattr(os, "sched_setaffinity", lambda *a: pytest.fail("affinity changed"))
+    with caplog.at_level("INFO", logger="avatar_cli.runtime.numa"):
+        assert numa.bind_to_gpu_node(torch.device("cuda", 0), tmp_path) is None
+    assert len(caplog.records) == 1 and "unknown" in caplog.text
+    assert numa.bind_to_gpu_node(torch.device("cpu")) is None
