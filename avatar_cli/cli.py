@@ -35,48 +35,90 @@ class Terminated(BaseException):
     """SIGTERM, raised in the main thread so cleanup runs as for Ctrl-C."""
 
 
-def _on_sigterm(signum, frame):  # noqa: ARG001
-    raise Terminated()
+def _install_signal_handlers() -> None:
+    """First SIGINT/SIGTERM: stop within the current chunk, keeping a playable partial file and a
+    resumable checkpoint. A second SIGINT: exit at once."""
+    interrupted = False
+
+    def on_sigint(signum, frame):  # noqa: ARG001
+        nonlocal interrupted
+        if interrupted:
+            os._exit(EXIT_INTERRUPTED)
+        interrupted = True
+        raise KeyboardInterrupt
+
+    def on_sigterm(signum, frame):  # noqa: ARG001
+        nonlocal interrupted
+        if interrupted:
+            os._exit(EXIT_TERMINATED)
+        interrupted = True
+        raise Terminated
+
+    signal.signal(signal.SIGINT, on_sigint)
+    signal.signal(signal.SIGTERM, on_sigterm)
 
 
 def _run(action, json_mode: Optional[bool], debug: bool) -> None:
     """Run one command's action; turn every failure into one line and an exit code."""
+    debug = debug or os.environ.get("AVATAR_DEBUG") == "1"
     from avatar_cli.report import make_reporter
 
-    debug = debug or os.environ.get("AVATAR_DEBUG") == "1"
     reporter = make_reporter(json_mode)
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    _install_signal_handlers()
     try:
-        action(reporter)
+        code = action(reporter)
     except AvatarError as e:
         if debug:
             traceback.print_exc()
         reporter.error(e.exit_code, str(e))
         raise typer.Exit(e.exit_code) from None
     except KeyboardInterrupt:
-        reporter.error(EXIT_INTERRUPTED, "interrupted; the partial output (if any) was kept")
+        reporter.error(EXIT_INTERRUPTED, "interrupted; the partial output and its checkpoint were kept (--resume)")
         raise typer.Exit(EXIT_INTERRUPTED) from None
     except Terminated:
-        reporter.error(EXIT_TERMINATED, "terminated; the partial output (if any) was kept")
+        reporter.error(EXIT_TERMINATED, "terminated; the partial output and its checkpoint were kept (--resume)")
         raise typer.Exit(EXIT_TERMINATED) from None
     except Exception as e:  # an unexpected failure while rendering
         if debug:
             traceback.print_exc()
         reporter.error(1, f"render failed: {type(e).__name__}: {e}".splitlines()[0] + " (run with --debug for details)")
         raise typer.Exit(1) from None
+    if code:
+        raise typer.Exit(code)
 
 
-@app.command()
-def render(job: JobArg, overrides: OverridesArg = None, output: OutputOpt = None,
-           force: Annotated[bool, typer.Option("--force", help="Replace an existing output file.")] = False,
-           json: JsonOpt = None, debug: DebugOpt = False) -> None:
-    """Render a job to an MP4."""
+@app.command(context_settings={"allow_interspersed_args": True})
+def render(
+    args: Annotated[list[str], typer.Argument(help="Job files, folders of them or globs, then dotted overrides "
+                                              "(key=value) for every job.", show_default=False)],
+    output: OutputOpt = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace existing outputs, finished or not.")] = False,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue interrupted renders from their checkpoints.")] = False,
+    fail_fast: Annotated[bool, typer.Option("--fail-fast", help="Stop the batch at the first failed job.")] = False,
+    shard: Annotated[Optional[str], typer.Option("--shard", help="I/N: render only every N-th job, starting at I "
+                                                 "(0-based), of the sorted job list.", show_default=False)] = None,
+    json: JsonOpt = None, debug: DebugOpt = False,
+) -> None:
+    """Render one or more jobs to MP4."""
+    debug = debug or os.environ.get("AVATAR_DEBUG") == "1"
+
     def action(reporter):
-        from avatar_cli import runner
-        from avatar_cli.spec import load_job
+        from avatar_cli.batch import batch_exit_code, expand_jobs, parse_shard, run_batch, take_shard
+        from avatar_cli.errors import SpecError
 
-        prepared = runner.prepare(load_job(job, overrides, output), force=force)
-        reporter.done(runner.render(prepared, reporter))
+        overrides = [a for a in args if "=" in a and not Path(a).exists()]
+        job_args = [a for a in args if a not in overrides]
+        if not job_args:
+            raise SpecError("no job given: avatar render JOB.yaml [KEY=VALUE ...]")
+        jobs = take_shard(expand_jobs(job_args), parse_shard(shard) if shard else None)
+        if output is not None and len(jobs) > 1:
+            raise SpecError("-o/--output needs exactly one job; give each job its own output in its spec")
+        if force and resume:
+            raise SpecError("--force and --resume contradict each other: --force starts over")
+        results = run_batch(jobs, overrides, output, force, resume, fail_fast, reporter, debug)
+        if len(jobs) != 1:
+            reporter.batch(results)
+        return batch_exit_code(results)
 
     _run(action, json, debug)
 

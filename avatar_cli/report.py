@@ -31,6 +31,11 @@ class Reporter(Protocol):
     def done(self, summary: dict[str, Any]) -> None: ...
     def error(self, code: int, message: str) -> None: ...
     def info(self, message: str) -> None: ...
+    def batch(self, results: list) -> None: ...
+
+
+def batch_counts(results: list) -> dict[str, int]:
+    return {status: sum(r.status == status for r in results) for status in ("done", "skipped", "failed")}
 
 
 class JsonReporter:
@@ -58,6 +63,12 @@ class JsonReporter:
 
     def info(self, message: str) -> None:
         print(message, file=sys.stderr)
+
+    def batch(self, results: list) -> None:
+        for r in results:
+            self.emit({"event": "job", "job": r.job, "status": r.status, "wall_s": round(r.wall_s, 3),
+                       "output": r.output, "error": r.error})
+        self.emit({"event": "batch", "jobs": len(results), **batch_counts(results)})
 
 
 class RichReporter:
@@ -111,6 +122,18 @@ class RichReporter:
 
     def info(self, message: str) -> None:
         Console(stderr=True).print(message, highlight=False, soft_wrap=True)
+
+    def batch(self, results: list) -> None:
+        self._stop()
+        table = Table(title="batch")
+        for column in ("job", "status", "wall", "error"):
+            table.add_column(column)
+        colour = {"done": "green", "skipped": "cyan", "failed": "red"}
+        for r in results:
+            table.add_row(r.job, f"[{colour[r.status]}]{r.status}[/]", f"{r.wall_s:.1f} s", r.error or "")
+        self.console.print(table)
+        counts = batch_counts(results)
+        self.console.print(", ".join(f"{n} {k}" for k, n in counts.items()))
 
 
 def make_reporter(json_mode: bool | None) -> Reporter:

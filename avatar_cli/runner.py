@@ -1,26 +1,33 @@
-"""What the CLI commands run: check a job's inputs, then render it to a finished MP4.
+"""What the CLI commands run: check a job's inputs, then render it to a finished MP4; or a batch of jobs.
 
 Everything that can be checked without loading a model is checked first (`prepare`), so bad
 input fails in well under a second, with exit code 2 and nothing written at the output path.
 """
 
 import os
+import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from avatar_cli.errors import InputError
+from avatar_cli.errors import InputError, RenderError
 from avatar_cli.media.audio import AudioInfo, AudioWindowReader, probe_audio
 from avatar_cli.media.image import fit_square, load_image
 from avatar_cli.media.writer import Mp4Writer, resolve_codec
+from avatar_cli.modules.module import Module
 from avatar_cli.modules.registry import ModelSource, check_model, load_modules, resolve_model
-from avatar_cli.pipeline.run import ChunkDone, Pipeline
+from avatar_cli.pipeline import checkpoint as ckpt
+from avatar_cli.pipeline.fingerprint import describe_change, job_fingerprint
+from avatar_cli.pipeline.run import ChunkDone, Pipeline, ResumeFrom, Stretch
 from avatar_cli.pipeline.schedule import num_frames
 from avatar_cli.report import Reporter, peak_rss_mb
-from avatar_cli.runtime.device import resolve_runtime
+from avatar_cli.runtime.device import Runtime, resolve_runtime
 from avatar_cli.spec import Job
+
+# Bits per pixel that H.264 at a given crf rarely exceeds on this content; only sizes the disk check.
+_BPP_AT_CRF20 = 0.3
 
 
 @dataclass
@@ -36,6 +43,14 @@ class Prepared:
     def duration_s(self) -> float:
         return self.frames / self.job.spec.video.fps
 
+    def estimated_bytes(self) -> int:
+        """A generous estimate of the output's size, from the bitrate the quality setting implies."""
+        w, h = self.size
+        bpp = _BPP_AT_CRF20 * 2 ** ((20 - self.job.spec.video.crf) / 6)  # x264: +6 crf halves the bitrate
+        video = w * h * self.job.spec.video.fps * bpp * self.duration_s / 8
+        audio = 128_000 * self.duration_s / 8
+        return int(video + audio) + (1 << 20)
+
 
 def check_output(output: Path, force: bool) -> None:
     if output.is_dir():
@@ -50,6 +65,16 @@ def check_output(output: Path, force: bool) -> None:
         raise InputError(f"output: cannot create a folder under {folder}: it is a file")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise InputError(f"output: folder {folder} is not writable")
+
+
+def check_disk(p: "Prepared") -> None:
+    folder = p.job.output.parent
+    while not folder.exists():
+        folder = folder.parent
+    need, free = 2 * p.estimated_bytes(), shutil.disk_usage(folder).free
+    if free < need:
+        raise InputError(f"output: not enough disk space in {folder}: {free / 2**20:.1f} MB free, "
+                         f"this {p.duration_s:.0f} s video needs about {need / 2**20:.1f} MB")
 
 
 def make_output_folder(output: Path) -> None:
@@ -76,29 +101,100 @@ def prepare(job: Job, force: bool = False) -> Prepared:
     return Prepared(job, image, audio, model, frames, size)
 
 
-def render(p: Prepared, reporter: Reporter) -> dict:
+@dataclass
+class ModelCache:
+    """Jobs of a batch that share a model load it once."""
+
+    loaded: dict[tuple[str, str, str], dict[str, Module]] = field(default_factory=dict)
+
+    def get(self, source: ModelSource, runtime: Runtime, reporter: Reporter) -> dict[str, Module]:
+        key = (source.fingerprint, str(runtime.device), str(runtime.dtype))
+        if key not in self.loaded:
+            if not source.trained:
+                reporter.info(f"note: model '{source.name}' has no trained weights yet: a seeded random init stands "
+                              "in, so the video shows noise, not a face")
+            modules = load_modules(source)
+            for module in modules.values():
+                module.to(runtime.device, runtime.dtype)
+            self.loaded = {key: modules}  # keep one model set resident, not one per model ever used
+        return self.loaded[key]
+
+
+def _resume_point(p: Prepared, fingerprint: dict[str, str], reporter: Reporter):
+    """Read the checkpoint, refuse if anything changed, and pick where to continue.
+
+    The old file's frames are copied up to its last keyframe K that is fully on disk, so the new encoder
+    starts exactly where the uninterrupted one started a GOP; generation restarts at the newest saved
+    point at or before K, and the few frames regenerated before K are checked against their digests
+    but not encoded twice.
+    Returns (checkpoint, resume point or None, source file, K).
+    """
+    partial = p.job.partial_output
+    try:
+        found = ckpt.load_checkpoint(partial)
+    except (ValueError, KeyError, TypeError) as e:
+        raise InputError(f"--resume: the checkpoint beside {partial} is unreadable ({e})") from None
+    if found is None:
+        raise InputError(f"--resume: nothing to resume for {p.job.output} (no checkpoint beside it)")
+    change = describe_change(found.fingerprint, fingerprint)
+    if change:
+        raise InputError(f"--resume: {change} changed since the render was interrupted; "
+                         "render without --resume to start over")
+    source = ckpt.resume_source(partial)
+    if source is None:
+        raise InputError(f"--resume: nothing to resume for {p.job.output} (the partial file is gone)")
+    from avatar_cli.media.writer import scan_video
+
+    on_disk, keys = scan_video(source)
+    copy_to = max([k for k in keys if k <= on_disk] or [0])
+    usable = [pt for pt in found.points if pt.published <= copy_to]
+    if not usable:
+        reporter.info(f"resume: no saved point is on disk yet ({on_disk} frames); starting from the first chunk")
+        found.stretches, found.points = [], []
+        return found, None, source, 0
+    point = usable[-1]
+    found.stretches = found.stretches[: point.digests]
+    found.points = [pt for pt in found.points if pt.published <= point.published]
+    reporter.info(f"resume: {on_disk} frames were on disk; copying {copy_to}, generating again from frame "
+                  f"{point.published} of {p.frames}")
+    state = ckpt.load_state(partial, point, *_device_dtype(p))
+    return found, ResumeFrom(point.next_chunk, state), source, copy_to
+
+
+def _device_dtype(p: Prepared):
+    rt = resolve_runtime(p.job.spec.runtime)
+    return rt.device, rt.dtype
+
+
+def render(p: Prepared, reporter: Reporter, models: ModelCache | None = None, resume: bool = False) -> dict:
     """Render a prepared job to `p.job.output`; returns the summary the `done` event carries."""
     t_start = time.perf_counter()
     spec = p.job.spec
     runtime = resolve_runtime(spec.runtime)
-    if not p.model.trained:
-        reporter.info(f"note: model '{p.model.name}' has no trained weights yet: a seeded random init stands in, "
-                      "so the video shows noise, not a face")
-    modules = load_modules(p.model)
-    for module in modules.values():
-        module.to(runtime.device, runtime.dtype)
+    partial = p.job.partial_output
+    fingerprint = job_fingerprint(p.job, p.model)
+    if resume:
+        checkpoint, resume_from, source, copy_to = _resume_point(p, fingerprint, reporter)
+    else:
+        check_disk(p)
+        ckpt.discard_partial(partial)
+        checkpoint, resume_from, source, copy_to = ckpt.Checkpoint(fingerprint, p.frames, spec.seed), None, None, 0
+
+    modules = (models or ModelCache()).get(p.model, runtime, reporter)
     pipeline = Pipeline(modules, p.model.config, runtime)
     image = fit_square(p.image, p.model.config.image_size)  # (3, S, S) in [-1, 1]
     chunks = pipeline.schedule(spec, p.frames)
 
-    partial = p.job.partial_output
     make_output_folder(p.job.output)
+    first_put = resume_from.state.published if resume_from else 0
     writer = Mp4Writer(partial, width=p.size[0], height=p.size[1], fps=spec.video.fps, total_frames=p.frames,
                        audio_path=str(p.job.audio), codec=resolve_codec(spec.video.codec.value, str(runtime.device)),
-                       crf=spec.video.crf, preset=spec.video.preset)
+                       crf=spec.video.crf, preset=spec.video.preset, metadata={"comment": output_tag(fingerprint)},
+                       resume_from=source, resume_frames=copy_to, first_put=first_put)
+    saver = ckpt.CheckpointWriter(partial, checkpoint)
     reader = AudioWindowReader(p.job.audio, sample_rate=p.model.config.audio.sample_rate, info=p.audio)
     reporter.start(output=str(p.job.output), frames=p.frames, chunks=len(chunks), fps=spec.video.fps)
-    done_chunks = 0
+    done_chunks = resume_from.next_chunk if resume_from else 0
 
     def on_chunk(d: ChunkDone) -> None:
         nonlocal done_chunks
@@ -106,25 +202,46 @@ def render(p: Prepared, reporter: Reporter) -> dict:
         reporter.chunk(kind=d.chunk.kind, index=d.chunk.index, start=d.chunk.keep[0], end=d.chunk.keep[1],
                        elapsed_s=d.elapsed_s, done_chunks=done_chunks, published=d.published)
 
+    def on_stretch(s: Stretch) -> None:
+        saver.add_stretch(s.start, s.end, s.digest)
+        try:
+            saver.save(s.next_chunk, s.state)
+        except OSError as e:
+            raise RenderError(f"cannot update the checkpoint beside {partial} ({e.strerror}); "
+                              "the partial file and the last checkpoint are kept") from None
+
     try:
         t_render = time.perf_counter()
-        stats = pipeline.run(spec, image, reader, p.frames, writer, p.size, on_chunk)
+        stats = pipeline.run(spec, image, reader, p.frames, writer, p.size, on_chunk, on_stretch, resume_from)
         writer.close()
         gen_s = time.perf_counter() - t_render
     except BaseException:
-        # Keep what was written: the fragmented MP4 stays playable, and nothing appears at the output path.
+        # Keep what was written: the fragmented MP4 stays playable, the checkpoint stays valid,
+        # and nothing appears at the output path.
         writer.abort()
         raise
     finally:
         reader.close()
     os.replace(partial, p.job.output)
+    saver.remove()
+    if source is not None:
+        source.unlink(missing_ok=True)
 
     duration = p.frames / spec.video.fps
     return {
-        "output": str(p.job.output), "frames": stats.frames, "video_fps": spec.video.fps,
+        "output": str(p.job.output), "frames": p.frames, "video_fps": spec.video.fps,
         "duration_s": round(duration, 4), "wall_s": round(time.perf_counter() - t_start, 4),
-        "ttff_s": round(stats.ttff_s, 4), "render_fps": round(stats.frames / gen_s, 3),
-        "rtf": round(duration / gen_s, 4), "peak_rss_mb": round(peak_rss_mb(), 1),
+        "ttff_s": round(stats.ttff_s, 4), "render_fps": round((stats.frames - first_put) / gen_s, 3),
+        "rtf": round((stats.frames - first_put) / spec.video.fps / gen_s, 4), "peak_rss_mb": round(peak_rss_mb(), 1),
         "load_s": round(t_render - t_start, 4), "generate_s": round(gen_s, 4),
         "compute_s": {k: round(v, 4) for k, v in stats.compute_s.items()},
+        "resumed_at": first_put, "frames_digest": checkpoint.frames_digest,
     }
+
+
+def output_tag(fingerprint: dict[str, str]) -> str:
+    """Stored in the MP4's metadata: lets a rerun see that this exact job already produced this file."""
+    import hashlib
+    import json
+
+    return "avatar:" + hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:32]

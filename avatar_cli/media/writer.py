@@ -17,6 +17,7 @@ Timeline rules that keep lip sync exact (all measured with PyAV 18.1, see tests/
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import queue
@@ -166,6 +167,10 @@ class Mp4Writer:
         preset: str = "veryfast",
         queue_frames: int = 64,
         threads: int | None = None,
+        metadata: dict[str, str] | None = None,
+        resume_from: str | Path | None = None,
+        resume_frames: int = 0,
+        first_put: int | None = None,
     ) -> None:
         self.path = str(path)
         if width <= 0 or height <= 0 or width % 2 or height % 2:
@@ -183,7 +188,12 @@ class Mp4Writer:
         except (av.error.FFmpegError, OSError) as exc:
             raise InputError(f"output: {self.path}: cannot create the file ({reason(exc)})") from None
         self._feed: _AudioFeed | None = None
+        # Resuming: frames [0, resume_frames) are copied, still compressed, from the interrupted file.
+        self._resume_from = str(resume_from) if resume_from is not None else None
+        self._resume_frames = int(resume_frames) if resume_from is not None else 0
         try:
+            for key, value in (metadata or {}).items():
+                self._container.metadata[key] = value
             self._video = self._add_video(codec, crf, preset, threads)
             self._audio, self._feed = self._add_audio(audio_path) if audio_path is not None else (None, None)
             # Open the encoders and write the header now: a bad output path or codec option
@@ -205,7 +215,9 @@ class Mp4Writer:
         self._queue: queue.Queue[object] = queue.Queue(maxsize=max(1, int(queue_frames)))
         self._abort = threading.Event()
         self._error: BaseException | None = None
-        self._frames_put = 0
+        # Index of the next frame put(). A resumed render may restart generating a little before
+        # `resume_frames` (at a keyframe of the old file); frames already copied are then dropped.
+        self._frames_put = self._resume_frames if first_put is None else int(first_put)
         self._frames_written = 0
         self._audio_written = 0  # file-timeline samples covered (priming included)
         self._encode_s = 0.0
@@ -272,6 +284,9 @@ class Mp4Writer:
         if self._frames_put + arr.shape[0] > self.total_frames:
             raise ValueError(f"put() past total_frames={self.total_frames} (already {self._frames_put})")
         for frame in arr:
+            if self._frames_put < self._resume_frames:
+                self._frames_put += 1  # already in the file, copied from the interrupted render
+                continue
             # A copy: callers reuse their buffers, and the encoder reads this one later.
             item = np.array(frame, copy=True)  # (H, W, 3)
             while True:
@@ -324,12 +339,17 @@ class Mp4Writer:
             err = self._error
             if isinstance(err, RenderError):
                 raise err
+            if getattr(err, "errno", None) in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                raise RenderError(f"disk full while writing {self.path} ({reason(err)}); "
+                                  "the partial file and the checkpoint are kept: free some space, then --resume") from err
             raise RenderError(f"video: {self.path}: encoding failed ({type(err).__name__}: {reason(err)})") from err
 
     # ---- writer thread -----------------------------------------------------------------
 
     def _run(self) -> None:
         try:
+            if self._resume_frames:
+                self._copy_frames(self._resume_from, self._resume_frames)
             while True:
                 item = self._queue.get()
                 if item is _STOP:
@@ -350,6 +370,32 @@ class Mp4Writer:
                 if self._error is None:
                     self._error = exc
             self._encode_s += time.perf_counter() - t0
+
+    def _copy_frames(self, source: str, frames: int) -> None:
+        """Remux the first `frames` video packets of an earlier file (no re-encode: bit-exact), writing the
+        audio alongside from the input file as usual. The encoder then starts fresh, with a keyframe."""
+        step = int(Fraction(1) / self.rate / self._video.time_base)
+        with av.open(source) as src:
+            stream = src.streams.video[0]
+            for packet in src.demux(stream):
+                if packet.pts is None or packet.size == 0:
+                    continue
+                index = round(packet.pts * packet.time_base * self.rate)
+                if index >= frames:
+                    break
+                # MP4 stores H.264 length-prefixed (AVCC); our stream's muxer expects the encoder's Annex B
+                # and converts it, so hand it Annex B or it would mangle the copied frames.
+                copy = av.Packet(_avcc_to_annexb(bytes(packet)))
+                copy.stream = self._video
+                copy.time_base = self._video.time_base
+                copy.pts = copy.dts = index * step
+                copy.duration = step
+                copy.is_keyframe = packet.is_keyframe
+                self._container.mux(copy)
+                self._frames_written = index + 1
+                self._write_audio_until(self._frames_written)
+        if self._frames_written != frames:
+            raise RenderError(f"video: {source}: holds {self._frames_written} frames, {frames} needed to resume")
 
     def _drain(self) -> None:
         """After a failure: empty the queue so a producer blocked in put() wakes up."""
@@ -413,3 +459,35 @@ class Mp4Writer:
             if self._feed is not None:
                 self._feed.close()
             self._container.close()
+
+
+def scan_video(path: str | Path) -> tuple[int, list[int]]:
+    """(video frames that actually decode from a possibly cut-off file, indices of its keyframes)."""
+    n, keys = 0, []
+    try:
+        with av.open(str(path)) as c:
+            c.streams.video[0].thread_type = "AUTO"
+            try:
+                for frame in c.decode(video=0):
+                    if frame.key_frame:
+                        keys.append(n)
+                    n += 1
+            except av.error.FFmpegError:
+                pass  # a torn last fragment: what decoded so far counts
+    except (av.error.FFmpegError, OSError, IndexError):
+        return 0, []
+    return n, keys
+
+
+def count_video_frames(path: str | Path) -> int:
+    return scan_video(path)[0]
+
+
+def _avcc_to_annexb(data: bytes, length_size: int = 4) -> bytes:
+    """H.264 NAL units with 4-byte big-endian length prefixes -> with start codes."""
+    out, i = bytearray(), 0
+    while i + length_size <= len(data):
+        n = int.from_bytes(data[i:i + length_size], "big")
+        out += b"\x00\x00\x00\x01" + data[i + length_size:i + length_size + n]
+        i += length_size + n
+    return bytes(out)

@@ -1,9 +1,11 @@
 """The render loop: wires the stages, owns the rolling state, runs the chunk schedule."""
 
+import hashlib
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from avatar_cli.models.family import FamilyConfig
@@ -25,6 +27,35 @@ class ChunkDone:
     chunk: Chunk
     elapsed_s: float  # since the render started
     published: int  # frames handed to the encoder so far
+
+
+@dataclass
+class Stretch:
+    """A published stretch of the timeline: frames [start, end) and the sha256 of their uint8 pixels."""
+
+    next_chunk: int  # schedule index of the first chunk still to run
+    start: int
+    end: int
+    digest: str
+    state: RollingState  # the rolling state at this point: enough to resume from here
+
+
+@dataclass
+class ResumeFrom:
+    next_chunk: int
+    state: RollingState
+
+
+class HashingSink:
+    """Passes frames through to the encoder while hashing them, to prove a resumed render bit-identical."""
+
+    def __init__(self, sink: FrameSink):
+        self.sink = sink
+        self.hash = hashlib.sha256()
+
+    def put(self, frames: np.ndarray) -> None:
+        self.hash.update(np.ascontiguousarray(frames).tobytes())
+        self.sink.put(frames)
 
 
 @dataclass
@@ -56,13 +87,21 @@ class Pipeline:
 
     @torch.no_grad()  # not inference_mode: FSDP2 (multi-GPU) breaks under it in torch 2.14
     def run(self, spec: JobSpec, image: torch.Tensor, audio: AudioSource, total_frames: int, sink: FrameSink,
-            size: tuple[int, int], on_chunk: Callable[[ChunkDone], None] = lambda _: None) -> RenderStats:
-        """image (3, S, S) in [-1, 1] at the native size; size (width, height) of the output frames."""
+            size: tuple[int, int], on_chunk: Callable[[ChunkDone], None] = lambda _: None,
+            on_stretch: Callable[[Stretch], None] = lambda _: None, resume: ResumeFrom | None = None) -> RenderStats:
+        """image (3, S, S) in [-1, 1] at the native size; size (width, height) of the output frames.
+
+        With `resume`, the schedule continues at `resume.next_chunk` from the saved rolling state.
+        """
         t0 = time.perf_counter()
         timer = StageTimer(self.runtime)
         ttff: float | None = None
-        state = RollingState()
         fps, s = spec.video.fps, spec.sampling
+        chunks = self.schedule(spec, total_frames)
+        first = resume.next_chunk if resume else 0
+        state = resume.state if resume else RollingState()
+        if first < len(chunks):
+            self.context.release_before(audio, chunks[first].start - 1, fps)
 
         # 1. Reference and prompt conditioning: computed once, kept for the whole job.
         with timer("reference"):
@@ -70,7 +109,8 @@ class Pipeline:
         with timer("context"):
             text = self.context.encode_prompt(spec.prompt)
 
-        for chunk in self.schedule(spec, total_frames):
+        for i in range(first, len(chunks)):
+            chunk = chunks[i]
             # 2. Context: audio features for the chunk's frames, noise, and the given frames.
             given = self._given(chunk, state)
             with timer("context"):
@@ -87,11 +127,13 @@ class Pipeline:
             if final is not None:
                 with timer("sr"):
                     z_hi = self.sr.run(final, ref)
+                hashing = HashingSink(sink)
                 with timer("decode"):
-                    state.decode_cache, n = self.publish.run(z_hi, state.decode_cache, sink, size)
+                    state.decode_cache, n = self.publish.run(z_hi, state.decode_cache, hashing, size)
                 state.published += n
                 if ttff is None:
                     ttff = time.perf_counter() - t0
+                on_stretch(Stretch(i + 1, state.published - n, state.published, hashing.hash.hexdigest(), state))
             on_chunk(ChunkDone(chunk, time.perf_counter() - t0, state.published))
 
         return RenderStats(frames=state.published, wall_s=time.perf_counter() - t0,

@@ -1,0 +1,122 @@
+"""Many jobs in one command: expand folders and globs, take a shard, skip finished work, keep going.
+
+No coordinator: `--shard I/N` takes every N-th job of the sorted list, starting at I, so N hosts (or a
+Slurm array, or a Kubernetes Indexed Job) given the same list split it with no job done twice.
+"""
+
+import glob
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+from avatar_cli.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_RENDER_FAILED, AvatarError, SpecError
+from avatar_cli.report import Reporter
+
+
+@dataclass
+class JobResult:
+    job: str
+    status: str  # "done" | "skipped" | "failed"
+    wall_s: float
+    code: int = EXIT_OK
+    error: str | None = None
+    output: str | None = None
+
+
+def expand_jobs(args: list[str]) -> list[Path]:
+    """Files as given; folders as their *.yaml/*.yml files; globs expanded. Sorted within each argument."""
+    jobs: list[Path] = []
+    for arg in args:
+        path = Path(arg)
+        if path.is_dir():
+            found = sorted(p for p in path.iterdir() if p.suffix in (".yaml", ".yml") and p.is_file())
+            if not found:
+                raise SpecError(f"job folder {path}: no .yaml files in it")
+            jobs.extend(found)
+        elif glob.has_magic(arg):
+            found = sorted(Path(p) for p in glob.glob(arg) if Path(p).is_file())
+            if not found:
+                raise SpecError(f"job pattern {arg}: matches no files")
+            jobs.extend(found)
+        else:
+            jobs.append(path)  # a missing file fails as that job's own error
+    return jobs
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise SpecError(f"--shard {text}: expected I/N, e.g. 0/4") from None
+    if n < 1 or not 0 <= i < n:
+        raise SpecError(f"--shard {text}: need 0 <= I < N")
+    return i, n
+
+
+def take_shard(jobs: list[Path], shard: tuple[int, int] | None) -> list[Path]:
+    if shard is None:
+        return jobs
+    i, n = shard
+    return jobs[i::n]
+
+
+def is_complete(output: Path, tag: str) -> bool:
+    """A finished render of this very job: our tag in its metadata (written only by a full render)."""
+    import av
+
+    try:
+        with av.open(str(output)) as c:
+            return c.metadata.get("comment") == tag
+    except Exception:
+        return False
+
+
+def run_batch(jobs: list[Path], overrides: list[str], output: str | None, force: bool, resume: bool,
+              fail_fast: bool, reporter: Reporter, debug: bool = False) -> list[JobResult]:
+    from avatar_cli import runner
+    from avatar_cli.pipeline.fingerprint import job_fingerprint
+    from avatar_cli.spec import load_job
+
+    models = runner.ModelCache()
+    results: list[JobResult] = []
+    for path in jobs:
+        t0 = time.perf_counter()
+        try:
+            job = load_job(path, overrides, output)
+            if job.output.exists() and not force and not resume:
+                source = runner.resolve_model(job.model, job.path.parent)
+                if is_complete(job.output, runner.output_tag(job_fingerprint(job, source))):
+                    reporter.info(f"skip: {job.output} is already rendered from this job (--force to redo)")
+                    results.append(JobResult(str(path), "skipped", time.perf_counter() - t0, output=str(job.output)))
+                    continue
+            prepared = runner.prepare(job, force=force or resume)
+            summary = runner.render(prepared, reporter, models, resume=resume)
+            reporter.done(summary)
+            results.append(JobResult(str(path), "done", time.perf_counter() - t0, output=summary["output"]))
+        except AvatarError as e:
+            if debug:
+                traceback.print_exc()
+            reporter.error(e.exit_code, f"{path}: {e}" if len(jobs) > 1 else str(e))
+            results.append(JobResult(str(path), "failed", time.perf_counter() - t0, e.exit_code, str(e)))
+            if fail_fast:
+                break
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except Exception as e:  # an unexpected failure in one job must not sink the batch
+            if debug:
+                traceback.print_exc()
+            message = f"render failed: {type(e).__name__}: {e}".splitlines()[0]
+            reporter.error(EXIT_RENDER_FAILED, f"{path}: {message}" if len(jobs) > 1 else message)
+            results.append(JobResult(str(path), "failed", time.perf_counter() - t0, EXIT_RENDER_FAILED, message))
+            if fail_fast:
+                break
+    return results
+
+
+def batch_exit_code(results: list[JobResult]) -> int:
+    """0 if no job failed; else 1 if any render failed, else 2 (only bad specs or inputs)."""
+    codes = {r.code for r in results if r.status == "failed"}
+    if not codes:
+        return EXIT_OK
+    return EXIT_RENDER_FAILED if EXIT_RENDER_FAILED in codes else EXIT_BAD_INPUT

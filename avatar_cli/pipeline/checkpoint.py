@@ -1,0 +1,178 @@
+"""The resume sidecar: a small checkpoint beside the partial output, updated after each published stretch.
+
+Layout, next to `<name>.partial.mp4`:
+  <name>.partial.ckpt.json                 the commit point: fingerprints, digests, a ring of resume points
+  <name>.partial.ckpt-<seq>.safetensors    the rolling state at each resume point in the ring
+
+A resume point is the state between two chunks: the motion/anchor latents, the held stretches, the decoder
+cache and the count of frames published. Noise needs no saved RNG state: it is drawn from a generator
+seeded by (job seed, chunk) alone, so the checkpoint records the seed and the index of the next chunk.
+
+Frames handed to the encoder reach the disk a little later (encoder queue, one fragment per second), so the
+ring keeps several resume points: `--resume` picks the newest whose frames are all decodable on disk.
+Every write is atomic (temporary file + rename); the JSON is written last, so it never names a state file
+that isn't complete.
+"""
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from avatar_cli.pipeline.state import RollingState
+
+VERSION = 1
+RING = 8  # resume points kept; covers the encoder queue plus the open fragment several times over
+
+
+@dataclass
+class ResumePoint:
+    next_chunk: int  # index in the schedule of the first chunk still to run
+    published: int  # frames handed to the encoder before that chunk
+    state_file: str
+    held_starts: list[int]
+    digests: int  # how many entries of Checkpoint.stretches this point covers
+
+
+@dataclass
+class Checkpoint:
+    fingerprint: dict[str, str]  # what must not change for a resume to be valid
+    total_frames: int
+    seed: int
+    stretches: list[list] = field(default_factory=list)  # [start, end, sha256 of the uint8 frames]
+    points: list[ResumePoint] = field(default_factory=list)
+    bytes_written: int = 0
+    seq: int = 0
+    version: int = VERSION
+
+    @property
+    def frames_digest(self) -> str:
+        return chain_digest(self.stretches)
+
+
+def chain_digest(stretches: list[list]) -> str:
+    """One digest over every published stretch in order: equal iff every frame is bit-identical."""
+    h = hashlib.sha256()
+    for start, end, digest in stretches:
+        h.update(f"{start}:{end}:{digest};".encode())
+    return h.hexdigest()
+
+
+def paths(partial: Path) -> tuple[Path, str]:
+    """(the JSON path, the prefix of state files) for a partial output path."""
+    base = partial.with_suffix("")
+    return base.with_name(base.name + ".ckpt.json"), base.name + ".ckpt-"
+
+
+def file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def state_tensors(state: RollingState) -> dict[str, torch.Tensor]:
+    tensors = {f"held{i}": z for i, (_, z) in enumerate(state.held)}
+    for name in ("tail", "anchors", "decode_cache"):
+        value = getattr(state, name)
+        if value is not None:
+            tensors[name] = value
+    return {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+
+
+class CheckpointWriter:
+    def __init__(self, partial: Path, ckpt: Checkpoint):
+        self.partial = partial
+        self.json_path, self.prefix = paths(partial)
+        self.ckpt = ckpt
+
+    def add_stretch(self, start: int, end: int, digest: str) -> None:
+        self.ckpt.stretches.append([start, end, digest])
+
+    def save(self, next_chunk: int, state: RollingState) -> None:
+        c = self.ckpt
+        c.seq += 1
+        name = f"{self.prefix}{c.seq:08d}.safetensors"
+        tmp = self.partial.parent / (name + ".tmp")
+        save_file(state_tensors(state), str(tmp))
+        os.replace(tmp, self.partial.parent / name)
+        c.points.append(ResumePoint(next_chunk, state.published, name, [s for s, _ in state.held], len(c.stretches)))
+        dropped, c.points = c.points[:-RING], c.points[-RING:]
+        c.bytes_written = self.partial.stat().st_size if self.partial.exists() else 0
+        _atomic_write(self.json_path, json.dumps(asdict(c)).encode())
+        for point in dropped:  # only after the JSON no longer names them
+            (self.partial.parent / point.state_file).unlink(missing_ok=True)
+
+    def remove(self) -> None:
+        """After a successful render: the checkpoint has done its job."""
+        remove_checkpoint(self.partial)
+
+
+def remove_checkpoint(partial: Path) -> None:
+    json_path, prefix = paths(partial)
+    json_path.unlink(missing_ok=True)
+    for f in partial.parent.glob(prefix + "*.safetensors*"):
+        f.unlink(missing_ok=True)
+
+
+def load_checkpoint(partial: Path) -> Checkpoint | None:
+    json_path, _ = paths(partial)
+    if not json_path.is_file():
+        return None
+    d = json.loads(json_path.read_text())
+    if d.get("version") != VERSION:
+        raise ValueError(f"checkpoint version {d.get('version')} is not {VERSION}")
+    d["points"] = [ResumePoint(**p) for p in d["points"]]
+    return Checkpoint(**d)
+
+
+def load_state(partial: Path, point: ResumePoint, device: torch.device, dtype: torch.dtype) -> RollingState:
+    t = load_file(str(partial.parent / point.state_file))
+    to = lambda name: t[name].to(device, dtype) if name in t else None  # noqa: E731
+    held = [(start, to(f"held{i}")) for i, start in enumerate(point.held_starts)]
+    return RollingState(tail=to("tail"), anchors=to("anchors"), held=held, decode_cache=to("decode_cache"),
+                        published=point.published)
+
+
+def resume_path(partial: Path) -> Path:
+    """Where the interrupted render's file waits while a resumed render copies its frames."""
+    return partial.with_name(partial.stem + ".resume-src" + partial.suffix)
+
+
+def discard_partial(partial: Path) -> None:
+    """A fresh render: drop what an earlier, interrupted render of the same output left behind."""
+    remove_checkpoint(partial)
+    partial.unlink(missing_ok=True)
+    resume_path(partial).unlink(missing_ok=True)
+
+
+def resume_source(partial: Path) -> Path | None:
+    """Move the interrupted render's file aside as the source of its frames, and return that path.
+
+    If an earlier resume was itself interrupted, both files may exist: keep the one with more frames.
+    """
+    from avatar_cli.media.writer import count_video_frames
+
+    src = resume_path(partial)
+    if partial.exists() and src.exists():
+        if count_video_frames(partial) > count_video_frames(src):
+            os.replace(partial, src)
+        else:
+            partial.unlink()
+    elif partial.exists():
+        os.replace(partial, src)
+    return src if src.exists() else None
