@@ -18,7 +18,7 @@ from .sdf import Tensor, circle, coverage, ellipse, paint, rgb
 EYE_WHITE = (0.97, 0.96, 0.93)
 LASH = (0.09, 0.06, 0.06)
 PUPIL = (0.04, 0.04, 0.05)
-INNER_MOUTH = (0.20, 0.03, 0.05)  # luma ~0.07: darker than any skin, the mouth meter's cue
+INNER_MOUTH = (0.13, 0.02, 0.03)  # luma ~0.045: far darker than any skin, the mouth meter's cue
 TEETH = (0.96, 0.94, 0.88)
 TONGUE = (0.80, 0.36, 0.40)
 
@@ -74,11 +74,11 @@ def paint_brows(canvas: Tensor, u: Tensor, v: Tensor, px: float, ident: Identity
 def paint_mouth(canvas: Tensor, u: Tensor, v: Tensor, px: float, ident: Identity, lay: FaceLayout, p: FrameParams) -> None:
     """Lips, dark inner mouth (height = MOUTH_HALF_OPEN_MAX * mouth_open), teeth and tongue."""
     ee, oo = p.mouth_shape.clamp(min=0), (-p.mouth_shape).clamp(min=0)
-    w = lay.mouth_w * (1.0 + 0.18 * ee - 0.3 * oo + 0.18 * p.smile - 0.15 * p.surprise)  # (T, 1, 1)
+    w = lay.mouth_w * (1.0 + 0.18 * ee - 0.3 * oo + 0.22 * p.smile - 0.15 * p.surprise)  # (T, 1, 1)
     h = MOUTH_HALF_OPEN_MAX * p.mouth_open * (1.0 + 0.08 * oo - 0.08 * ee)
     yc = lay.mouth_y + JAW_DROP * h
     xn = (u / w).clamp(-1.3, 1.3)  # (T, 1, w)
-    bend = 0.04 * p.smile - 0.008 * p.surprise  # corners up when smiling
+    bend = 0.05 * p.smile - 0.008 * p.surprise  # corners up when smiling
     y = v - yc + bend * xn * xn  # (T, h, w): distance from the curved mouth line
     lip = rgb(ident.lip_color)
     ry = torch.where(y < 0, h + lay.lip_top, h + lay.lip_bottom)
@@ -86,7 +86,7 @@ def paint_mouth(canvas: Tensor, u: Tensor, v: Tensor, px: float, ident: Identity
     paint(canvas, lip * 0.86, coverage(lips_d, px))
     paint(canvas, lip, coverage(torch.maximum(lips_d, -y), px))  # fuller, lighter lower lip
     line = torch.maximum(y.abs() - 0.6 * px, u.abs() - w * 0.92)
-    paint(canvas, lip * 0.5, coverage(line, px))
+    paint(canvas, lip * 0.62, coverage(line, px))
     w_in, h_in = w * 0.86, h.clamp(min=0.25 * px)
     inner_d = torch.maximum(ellipse(u, y, w_in, h_in), u.abs() - w_in)
     paint(canvas, rgb(INNER_MOUTH), coverage(inner_d, px))
@@ -96,6 +96,6 @@ def paint_mouth(canvas: Tensor, u: Tensor, v: Tensor, px: float, ident: Identity
     paint(canvas, rgb(TONGUE), coverage(tongue, px))
     # Smile lines: short brackets just outside the mouth corners.
     xc = u.abs() - (w + 0.012)
-    bracket = circle(xc + 0.035, v - yc + bend, 0.035).abs() - 0.004
+    bracket = circle(xc + 0.035, v - yc + bend, 0.035).abs() - 0.005
     bracket = torch.maximum(bracket, -xc - 0.004)
-    paint(canvas, rgb(ident.skin) * 0.72, coverage(bracket, px) * (p.smile * 0.9))
+    paint(canvas, rgb(ident.skin) * 0.68, coverage(bracket, px) * p.smile)

@@ -19,7 +19,7 @@ from .hair import hair_shape, paint_hair_back, paint_hair_front
 from .identity import Identity
 from .layout import FaceLayout, box_slices
 from .scene import background, torso
-from .sdf import Tensor, over, pixel_grid
+from .sdf import Tensor, over, pixel_grid, single_thread
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,11 @@ class HeadCanvas:
 
 @lru_cache(maxsize=16)
 def build_head(ident: Identity, size: int) -> HeadCanvas:
+    with single_thread():
+        return _build_head(ident, size)
+
+
+def _build_head(ident: Identity, size: int) -> HeadCanvas:
     lay = FaceLayout.from_identity(ident)
     px = 2.0 / size
     u, v = pixel_grid(size)

@@ -20,16 +20,17 @@ from .identity import Identity
 from .layout import PIVOT
 from .measure import measure_mouth_opening, mouth_box
 from .motion import Motion
-from .sdf import Tensor, over
+from .sdf import Tensor, over, single_thread
 
 __all__ = ["RenderParams", "render_frames", "render_reference", "mouth_box", "measure_mouth_opening"]
 
 
 @dataclass(frozen=True)
 class RenderParams:
-    """Chunking: frames per batch are sized so a chunk's canvases (~2 MB) stay cache-friendly."""
+    """Batching: full-frame chunks are sized so their canvases (~2 MB) stay cache-friendly."""
 
     chunk_pixels: int = 1 << 19
+    patch_frames: int = 256  # frames whose eye/mouth patches are painted in one batch
 
     def chunk(self, size: int) -> int:
         return max(1, self.chunk_pixels // (size * size))
@@ -46,14 +47,22 @@ def render_frames(identity: Identity, motion: Motion, size: int, params: RenderP
     base = head.torso[:3] + keep * bg  # (3, S, S)
     step = params.chunk(size)
     with torch.inference_mode():
-        for t0 in range(0, n, step):
-            m = motion[t0 : t0 + step]
-            canvas = _paint_chunk(head, identity, m)  # (t, 4, S, S)
-            warped = _warp(canvas, m)  # (t, 4, S, S)
-            rgb = warped[:, :3]
-            rgb.addcmul_(warped[:, 3:], bg, value=-1.0).mul_(keep).add_(base)
-            rgb.mul_(255.0).add_(0.5).clamp_(0.0, 255.0)
-            out[t0 : t0 + m.num_frames] = rgb.to(torch.uint8).permute(0, 2, 3, 1)
+        for p0 in range(0, n, params.patch_frames):
+            # Small patches for many frames on one thread (see single_thread); the full-frame
+            # passes below use all threads, in cache-sized chunks.
+            m_all = motion[p0 : p0 + params.patch_frames]
+            with single_thread():
+                patches = _paint_patches(head, identity, m_all)
+            for t0 in range(0, m_all.num_frames, step):
+                m = m_all[t0 : t0 + step]
+                canvas = head.head.expand(m.num_frames, -1, -1, -1).clone()  # (t, 4, S, S)
+                for patch, layer in zip((head.eyes, head.mouth), patches):
+                    canvas[:, :, patch.rows, patch.cols] = layer[t0 : t0 + step]
+                warped = _warp(canvas, m)  # (t, 4, S, S)
+                rgb = warped[:, :3]
+                rgb.addcmul_(warped[:, 3:], bg, value=-1.0).mul_(keep).add_(base)
+                rgb.mul_(255.0).add_(0.5).clamp_(0.0, 255.0)
+                out[p0 + t0 : p0 + t0 + m.num_frames] = rgb.to(torch.uint8).permute(0, 2, 3, 1)
     return out
 
 
@@ -63,7 +72,8 @@ def render_reference(seed: int, size: int = 256) -> np.ndarray:
     return frames[0].numpy()
 
 
-def _paint_chunk(head: HeadCanvas, ident: Identity, m: Motion) -> Tensor:
+def _paint_patches(head: HeadCanvas, ident: Identity, m: Motion) -> tuple[Tensor, Tensor]:
+    """Eye band and mouth region for every frame of `m`: (T, 4, h, w) each, premultiplied."""
     n, px = m.num_frames, 2.0 / head.size
     p = FrameParams(
         mouth_open=m.mouth_open.view(n, 1, 1).clamp(0, 1),
@@ -72,12 +82,12 @@ def _paint_chunk(head: HeadCanvas, ident: Identity, m: Motion) -> Tensor:
         smile=m.smile.view(n, 1, 1).clamp(0, 1),
         surprise=m.surprise.view(n, 1, 1).clamp(0, 1),
     )
-    canvas = head.head.expand(n, -1, -1, -1).clone()  # (n, 4, S, S)
+    layers = []
     for patch, painter in ((head.eyes, paint_eyes), (head.mouth, paint_mouth)):
         layer = patch.under.expand(n, -1, -1, -1).clone()  # (n, 4, h, w)
         painter(layer, patch.u, patch.v, px, ident, head.layout, p)
-        canvas[:, :, patch.rows, patch.cols] = over(patch.over, layer)
-    return canvas
+        layers.append(over(patch.over, layer))
+    return layers[0], layers[1]
 
 
 def _warp(canvas: Tensor, m: Motion) -> Tensor:
