@@ -26,6 +26,15 @@ class HairShape:
 
 
 def hair_shape(ident: Identity, lay: FaceLayout, u: Tensor, v: Tensor) -> HairShape:
+    shape = _style_shape(ident, lay, u, v)
+    if ident.hat == "none":
+        return shape
+    # Under a hat nothing pokes out above the brim (the hat covers the crown itself).
+    brim = lay.cy - 0.5 * lay.b - 0.02
+    return HairShape(torch.maximum(shape.back, brim - v), torch.maximum(shape.front, brim - v))
+
+
+def _style_shape(ident: Identity, lay: FaceLayout, u: Tensor, v: Tensor) -> HairShape:
     a, b, cy = lay.a, lay.b, lay.cy
     style = ident.hair_style
     none = torch.full(torch.broadcast_shapes(u.shape, v.shape), _FAR)

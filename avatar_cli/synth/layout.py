@@ -60,7 +60,7 @@ class FaceLayout:
         eye_box = (
             -(eye_x + brow_w + 0.03),
             eye_x + brow_w + 0.03,
-            brow_y - 0.09,
+            brow_y - 0.13,
             eye_y + eye_h * 1.4 + 0.02,
         )
         mouth_box = (

@@ -116,7 +116,7 @@ def motion_from_audio(
     times = (np.arange(num_frames) + 0.5) / fps
     talk = _smooth(mouth_open, max(1, int(round(fps * 0.4))))
     head_dx = sway.dx * _smooth_noise(rng, times)
-    head_dy = sway.dy * _smooth_noise(rng, times) + sway.nod * (talk - talk.mean())
+    head_dy = sway.dy * _smooth_noise(rng, times) + sway.nod * (talk - (talk.mean() if talk.size else 0.0))
     head_tilt = sway.tilt * _smooth_noise(rng, times)
     blink = _blinks(rng, times)
     smile, surprise = _expression(rng, times, expression)

@@ -41,7 +41,7 @@ def render_frames(identity: Identity, motion: Motion, size: int, params: RenderP
     head = build_head(identity, size)
     n = motion.num_frames
     out = torch.empty(n, size, size, 3, dtype=torch.uint8)
-    # Backdrop and shirt folded into two constants: frame = K + L * (head_rgb - head_a * bg).
+    # Backdrop and shirt folded into constants: frame = base + keep * (head_rgb - head_a * bg).
     bg = head.background  # (3, S, S)
     keep = 1.0 - head.torso[3:]  # (1, S, S)
     base = head.torso[:3] + keep * bg  # (3, S, S)

@@ -254,8 +254,9 @@ def _smooth(x: np.ndarray, width: int) -> np.ndarray:
 
 
 def _frame_centres(n: int) -> np.ndarray:
+    """Sample index at the centre of each `_stft` frame (frame k is centred on k * _HOP)."""
     k = (n + _NFFT) // _HOP + 1
-    return np.clip(np.arange(k) * _HOP - _NFFT // 2 + _NFFT // 2, 0, n - 1)
+    return np.clip(np.arange(k) * _HOP, 0, n - 1)
 
 
 def _stft(x: np.ndarray) -> np.ndarray:
