@@ -4,6 +4,7 @@ Everything that can be checked without loading a model is checked first (`prepar
 input fails in well under a second, with exit code 2 and nothing written at the output path.
 """
 
+import errno
 import os
 import shutil
 import time
@@ -207,8 +208,9 @@ def render(p: Prepared, reporter: Reporter, models: ModelCache | None = None, re
         try:
             saver.save(s.next_chunk, s.state)
         except OSError as e:
-            raise RenderError(f"cannot update the checkpoint beside {partial} ({e.strerror}); "
-                              "the partial file and the last checkpoint are kept") from None
+            what = "disk full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else f"cannot write ({e.strerror})"
+            raise RenderError(f"{what} while updating the checkpoint beside {partial}; the partial file and the "
+                              "last checkpoint are kept: fix that, then --resume") from None
 
     try:
         t_render = time.perf_counter()

@@ -14,6 +14,7 @@ Every write is atomic (temporary file + rename); the JSON is written last, so it
 that isn't complete.
 """
 
+import errno
 import hashlib
 import json
 import os
@@ -78,10 +79,14 @@ def file_digest(path: Path) -> str:
 
 def _atomic_write(path: Path, data: bytes) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError:
+        tmp.unlink(missing_ok=True)  # the previous checkpoint stays as it was
+        raise
     os.replace(tmp, path)
 
 
@@ -108,7 +113,12 @@ class CheckpointWriter:
         c.seq += 1
         name = f"{self.prefix}{c.seq:08d}.safetensors"
         tmp = self.partial.parent / (name + ".tmp")
-        save_file(state_tensors(state), str(tmp))
+        try:
+            save_file(state_tensors(state), str(tmp))
+        except Exception as e:  # safetensors reports a full disk as its own error type
+            tmp.unlink(missing_ok=True)
+            code = errno.ENOSPC if "No space left" in str(e) else errno.EIO
+            raise OSError(code, os.strerror(code)) from e
         os.replace(tmp, self.partial.parent / name)
         c.points.append(ResumePoint(next_chunk, state.published, name, [s for s, _ in state.held], len(c.stretches)))
         dropped, c.points = c.points[:-RING], c.points[-RING:]

@@ -1,0 +1,243 @@
+"""Batch reliability: resume after kill -9, signals, bulk runs, sharding, idempotent reruns, full disks."""
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import av
+import numpy as np
+import pytest
+
+from avatar_cli.batch import expand_jobs, take_shard
+from avatar_cli.media.writer import count_video_frames
+from tests.conftest import write_wav
+
+
+def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "avatar_cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def events(stdout: str) -> list[dict]:
+    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+
+
+def decoded(path: Path) -> np.ndarray:
+    with av.open(str(path)) as c:
+        return np.stack([f.to_ndarray(format="rgb24") for f in c.decode(video=0)]).astype(np.float32)
+
+
+def start_render(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "avatar_cli", "render", *args, "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_chunks(proc: subprocess.Popen, n: int) -> None:
+    seen = 0
+    for line in proc.stdout:
+        if json.loads(line)["event"] == "chunk":
+            seen += 1
+            if seen >= n:
+                return
+    raise AssertionError(f"render ended before {n} chunks: {proc.stderr.read()}")
+
+
+def checkpoint_files(folder: Path) -> list[Path]:
+    return [p for p in folder.iterdir() if ".ckpt" in p.name]
+
+
+def test_kill_9_then_resume_is_bit_identical(job_dir: Path, tmp_path: Path):
+    write_wav(job_dir / "long.wav", 12.0)
+    job = str(job_dir / "job.yaml")
+    full = cli("render", job, f"audio={job_dir / 'long.wav'}", "-o", str(tmp_path / "full.mp4"), "--json")
+    assert full.returncode == 0, full.stderr
+    reference = events(full.stdout)[-1]
+
+    kill_at = random.Random().randint(8, 20)  # a random chunk, different every run (past the first fragment)
+    out = job_dir / "out" / "video.mp4"
+    proc = start_render(job, f"audio={job_dir / 'long.wav'}")
+    try:
+        wait_chunks(proc, kill_at)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    assert not out.exists() and checkpoint_files(out.parent), f"killed at chunk {kill_at}"
+
+    resumed = cli("render", job, f"audio={job_dir / 'long.wav'}", "--resume", "--json")
+    assert resumed.returncode == 0, f"killed at chunk {kill_at}: {resumed.stderr}"
+    done = events(resumed.stdout)[-1]
+    assert done["resumed_at"] > 0, f"killed at chunk {kill_at}: resumed from scratch"
+    # Every published stretch, before and after the kill, hashes the same as the uninterrupted render's.
+    assert done["frames_digest"] == reference["frames_digest"], f"killed at chunk {kill_at}"
+    a, b = decoded(tmp_path / "full.mp4"), decoded(out)
+    assert a.shape == b.shape
+    assert np.abs(a - b).mean() < 0.5, f"killed at chunk {kill_at}: mean abs diff {np.abs(a - b).mean():.3f}"
+    assert not checkpoint_files(out.parent)  # a successful render removes its checkpoint
+    assert not (out.parent / "video.resume-src.mp4").exists()
+
+
+def test_resume_refuses_when_the_job_changed(job_dir: Path):
+    write_wav(job_dir / "long.wav", 12.0)
+    job = str(job_dir / "job.yaml")
+    proc = start_render(job, f"audio={job_dir / 'long.wav'}")
+    try:
+        wait_chunks(proc, 3)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    changed = cli("render", job, f"audio={job_dir / 'long.wav'}", "seed=99", "--resume", "--json")
+    assert changed.returncode == 2
+    assert "the job spec changed" in events(changed.stdout)[-1]["message"]
+    write_wav(job_dir / "long.wav", 12.0, freq=330.0)  # same name, new content
+    changed = cli("render", job, f"audio={job_dir / 'long.wav'}", "--resume", "--json")
+    assert changed.returncode == 2 and "the audio changed" in events(changed.stdout)[-1]["message"]
+    assert checkpoint_files(job_dir / "out")  # refusing loses nothing
+
+
+def test_resume_with_nothing_to_resume(job_dir: Path):
+    result = cli("render", str(job_dir / "job.yaml"), "--resume", "--json")
+    assert result.returncode == 2 and "nothing to resume" in events(result.stdout)[-1]["message"]
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signal_leaves_partial_and_checkpoint(job_dir: Path, sig, code):
+    write_wav(job_dir / "long.wav", 30.0)
+    proc = start_render(str(job_dir / "job.yaml"), f"audio={job_dir / 'long.wav'}")
+    try:
+        wait_chunks(proc, 6)
+        proc.send_signal(sig)
+        rest, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == code, err
+    assert events(rest)[-1] == {"event": "error", "code": code, "message": events(rest)[-1]["message"]}
+    out = job_dir / "out"
+    assert not (out / "video.mp4").exists()
+    with av.open(str(out / "video.partial.mp4")) as c:
+        assert sum(1 for _ in c.decode(video=0)) >= 16
+    assert (out / "video.partial.ckpt.json").is_file()
+    resumed = cli("render", str(job_dir / "job.yaml"), f"audio={job_dir / 'long.wav'}", "--resume", "--json")
+    assert resumed.returncode == 0 and events(resumed.stdout)[-1]["resumed_at"] > 0
+
+
+def make_batch(job_dir: Path, names: list[str]) -> Path:
+    jobs = job_dir / "jobs"
+    jobs.mkdir()
+    base = (job_dir / "job.yaml").read_text()
+    for name in names:
+        (jobs / f"{name}.yaml").write_text(base.replace("output: out/video.mp4", f"output: ../out/{name}.mp4")
+                                           .replace("ref.png", "../ref.png").replace("speech.wav", "../speech.wav"))
+    return jobs
+
+
+def test_bulk_one_bad_job_does_not_sink_the_batch(job_dir: Path):
+    jobs = make_batch(job_dir, ["a", "b", "c"])
+    (jobs / "b.yaml").write_text((jobs / "b.yaml").read_text().replace("../speech.wav", "../missing.wav"))
+    result = cli("render", str(jobs), "--json")
+    assert result.returncode == 2  # only bad input failed
+    evs = events(result.stdout)
+    status = {Path(e["job"]).stem: e["status"] for e in evs if e["event"] == "job"}
+    assert status == {"a": "done", "b": "failed", "c": "done"}
+    bad = [e for e in evs if e["event"] == "job" and e["status"] == "failed"][0]
+    assert "missing.wav" in bad["error"]
+    assert evs[-1] == {"event": "batch", "jobs": 3, "done": 2, "skipped": 0, "failed": 1}
+    assert (job_dir / "out" / "a.mp4").exists() and (job_dir / "out" / "c.mp4").exists()
+
+    # --fail-fast stops at the bad job.
+    shutil.rmtree(job_dir / "out")
+    result = cli("render", str(jobs), "--json", "--fail-fast")
+    assert result.returncode == 2
+    assert [e["status"] for e in events(result.stdout) if e["event"] == "job"] == ["done", "failed"]
+
+
+def test_rerun_skips_finished_jobs_and_force_redoes_them(job_dir: Path):
+    jobs = make_batch(job_dir, ["a", "b"])
+    assert cli("render", str(jobs), "--json").returncode == 0
+    mtimes = {p.name: p.stat().st_mtime_ns for p in (job_dir / "out").glob("*.mp4")}
+    again = cli("render", str(jobs / "*.yaml"), "--json")
+    assert again.returncode == 0
+    assert events(again.stdout)[-1] == {"event": "batch", "jobs": 2, "done": 0, "skipped": 2, "failed": 0}
+    assert {p.name: p.stat().st_mtime_ns for p in (job_dir / "out").glob("*.mp4")} == mtimes
+    # A job whose spec changed is not "finished": without --force its old output is protected.
+    (jobs / "a.yaml").write_text((jobs / "a.yaml").read_text() + "prompt: smiling\n")
+    changed = cli("render", str(jobs), "--json")
+    assert changed.returncode == 2 and "--force" in changed.stdout
+    forced = cli("render", str(jobs), "--json", "--force")
+    assert forced.returncode == 0
+    assert events(forced.stdout)[-1]["done"] == 2
+
+
+def test_shards_partition_the_batch(tmp_path: Path):
+    for i in range(11):
+        (tmp_path / f"job{i:02d}.yaml").write_text("")
+    jobs = expand_jobs([str(tmp_path)])
+    for n in (1, 2, 3, 4, 11, 13):
+        parts = [take_shard(jobs, (i, n)) for i in range(n)]
+        flat = [j for part in parts for j in part]
+        assert sorted(flat) == sorted(jobs) and len(flat) == len(set(flat)), n
+    # The same list from a glob, as another host would give it, shards the same way.
+    assert take_shard(expand_jobs([str(tmp_path / "*.yaml")]), (1, 3)) == take_shard(jobs, (1, 3))
+
+
+def test_bad_shard_argument(job_dir: Path):
+    result = cli("render", str(job_dir / "job.yaml"), "--shard", "3/3", "--json")
+    assert result.returncode == 2 and "--shard" in result.stdout
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mount)], check=True)
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def fill(disk: Path) -> None:
+    """Another process fills the disk: write until there is no space left."""
+    with open(disk / "filler", "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError:
+            pass
+
+
+def test_disk_full_mid_render_loses_nothing(job_dir: Path, small_disk: Path):
+    write_wav(job_dir / "long.wav", 60.0)
+    out = small_disk / "video.mp4"
+    proc = start_render(str(job_dir / "job.yaml"), f"audio={job_dir / 'long.wav'}", "-o", str(out))
+    try:
+        wait_chunks(proc, 8)
+        fill(small_disk)
+        rest, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, rest + err
+    message = events(rest)[-1]["message"]
+    assert "disk full" in message, message
+    assert not out.exists()
+    (small_disk / "filler").unlink()  # space again: what was kept must be intact and resumable
+    # The write that hit the full disk may have torn the last fragment; everything before it decodes.
+    assert count_video_frames(small_disk / "video.partial.mp4") >= 25
+    json.loads((small_disk / "video.partial.ckpt.json").read_text())  # intact, not half-written
+    resumed = cli("render", str(job_dir / "job.yaml"), f"audio={job_dir / 'long.wav'}", "-o", str(out), "--resume",
+                  "--json")
+    assert resumed.returncode == 0, resumed.stderr
+    assert events(resumed.stdout)[-1]["resumed_at"] > 0
+
+
+def test_disk_too_small_is_refused_before_starting(job_dir: Path, small_disk: Path):
+    write_wav(job_dir / "long.wav", 3600.0, rate=8000)
+    result = cli("render", str(job_dir / "job.yaml"), f"audio={job_dir / 'long.wav'}", "-o",
+                 str(small_disk / "video.mp4"), "--json")
+    assert result.returncode == 2
+    assert "not enough disk space" in events(result.stdout)[-1]["message"]
+    assert os.listdir(small_disk) == []
