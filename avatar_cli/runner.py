@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from avatar_cli.errors import InputError, RenderError
 from avatar_cli.media.audio import AudioInfo, AudioWindowReader, probe_audio
@@ -25,6 +26,9 @@ from avatar_cli.pipeline.run import ChunkDone, Pipeline, ResumeFrom, Stretch
 from avatar_cli.pipeline.schedule import num_frames
 from avatar_cli.report import Reporter, peak_rss_mb
 from avatar_cli.runtime.device import Runtime, resolve_runtime
+from avatar_cli.runtime.distributed import Dist, current_dist
+from avatar_cli.runtime.numa import bind_to_gpu_node
+from avatar_cli.runtime.placement import Placement, place
 from avatar_cli.spec import Job
 
 # Bits per pixel that H.264 at a given crf rarely exceeds on this content; only sizes the disk check.
@@ -104,21 +108,41 @@ def prepare(job: Job, force: bool = False) -> Prepared:
 
 @dataclass
 class ModelCache:
-    """Jobs of a batch that share a model load it once."""
+    """Jobs of a batch that share a model load (and place) it once."""
 
-    loaded: dict[tuple[str, str, str], dict[str, Module]] = field(default_factory=dict)
+    loaded: dict[tuple, tuple[dict[str, Module], Placement]] = field(default_factory=dict)
 
-    def get(self, source: ModelSource, runtime: Runtime, reporter: Reporter) -> dict[str, Module]:
-        key = (source.fingerprint, str(runtime.device), str(runtime.dtype))
+    def get(self, source: ModelSource, runtime: Runtime, dist: Dist, rt_spec, reporter: Reporter
+            ) -> tuple[dict[str, Module], Placement]:
+        key = (source.fingerprint, str(runtime.device), str(runtime.dtype), rt_spec.offload.value,
+               rt_spec.reshard.value)
         if key not in self.loaded:
             if not source.trained:
                 reporter.info(f"note: model '{source.name}' has no trained weights yet: a seeded random init stands "
                               "in, so the video shows noise, not a face")
+            self.loaded.clear()  # keep one model set resident, not one per model ever used
             modules = load_modules(source)
-            for module in modules.values():
-                module.to(runtime.device, runtime.dtype)
-            self.loaded = {key: modules}  # keep one model set resident, not one per model ever used
+            placement = place(modules, runtime, dist, rt_spec.offload.value, rt_spec.reshard.value)
+            self.loaded[key] = (modules, placement)
         return self.loaded[key]
+
+
+class NullSink:
+    """Ranks other than 0 compute every frame but write nothing."""
+
+    def put(self, frames) -> None:
+        pass
+
+
+def setup_runtime(spec) -> tuple[Runtime, Dist]:
+    """Device, dtype and (under torchrun) the process group; on a GPU, bind to its NUMA node first."""
+    runtime = resolve_runtime(spec.runtime)
+    dist = current_dist(runtime.device.type)
+    if dist.enabled and runtime.is_cuda:
+        runtime = Runtime(torch.device("cuda", dist.local_rank), runtime.dtype)
+    if runtime.is_cuda:
+        bind_to_gpu_node(runtime.device)  # before any pinned host memory is allocated
+    return runtime, dist
 
 
 def _resume_point(p: Prepared, fingerprint: dict[str, str], reporter: Reporter):
@@ -158,43 +182,64 @@ def _resume_point(p: Prepared, fingerprint: dict[str, str], reporter: Reporter):
     found.points = [pt for pt in found.points if pt.published <= point.published]
     reporter.info(f"resume: {on_disk} frames were on disk; copying {copy_to}, generating again from frame "
                   f"{point.published} of {p.frames}")
-    state = ckpt.load_state(partial, point, *_device_dtype(p))
+    rt = resolve_runtime(p.job.spec.runtime)
+    state = ckpt.load_state(partial, point, rt.device, rt.dtype)
     return found, ResumeFrom(point.next_chunk, state), source, copy_to
 
 
-def _device_dtype(p: Prepared):
-    rt = resolve_runtime(p.job.spec.runtime)
-    return rt.device, rt.dtype
+def _share_resume(dist: Dist, resume_from: ResumeFrom | None, runtime: Runtime) -> ResumeFrom | None:
+    """Rank 0 read the checkpoint; every rank continues from the same point and state."""
+    if not dist.enabled:
+        return resume_from
+    payload = None
+    if dist.is_main and resume_from is not None:
+        st = resume_from.state
+        payload = (resume_from.next_chunk, ckpt.state_tensors(st), [s for s, _ in st.held], st.published)
+    payload = dist.broadcast_object(payload)
+    if payload is None:
+        return None
+    next_chunk, tensors, held_starts, published = payload
+    return ResumeFrom(next_chunk, ckpt.state_from_tensors(tensors, held_starts, published, runtime.device,
+                                                          runtime.dtype))
 
 
 def render(p: Prepared, reporter: Reporter, models: ModelCache | None = None, resume: bool = False) -> dict:
-    """Render a prepared job to `p.job.output`; returns the summary the `done` event carries."""
+    """Render a prepared job to `p.job.output`; returns the summary the `done` event carries.
+
+    Under torchrun every rank runs the same schedule; rank 0 alone writes the file and the checkpoint.
+    """
     t_start = time.perf_counter()
     spec = p.job.spec
-    runtime = resolve_runtime(spec.runtime)
+    runtime, dist = setup_runtime(spec)
+    main = dist.is_main
+    frames = dist.agree(p.frames, "the frame count")
     partial = p.job.partial_output
     fingerprint = job_fingerprint(p.job, p.model)
-    if resume:
+    checkpoint, resume_from, source, copy_to = ckpt.Checkpoint(fingerprint, frames, spec.seed), None, None, 0
+    if main and resume:
         checkpoint, resume_from, source, copy_to = _resume_point(p, fingerprint, reporter)
-    else:
+    elif main:
         check_disk(p)
         ckpt.discard_partial(partial)
-        checkpoint, resume_from, source, copy_to = ckpt.Checkpoint(fingerprint, p.frames, spec.seed), None, None, 0
+    resume_from = _share_resume(dist, resume_from, runtime)
 
-    modules = (models or ModelCache()).get(p.model, runtime, reporter)
-    pipeline = Pipeline(modules, p.model.config, runtime)
+    modules, placement = (models or ModelCache()).get(p.model, runtime, dist, spec.runtime, reporter)
+    pipeline = Pipeline(modules, p.model.config, runtime, placement)
     image = fit_square(p.image, p.model.config.image_size)  # (3, S, S) in [-1, 1]
-    chunks = pipeline.schedule(spec, p.frames)
+    chunks = pipeline.schedule(spec, frames)
 
-    make_output_folder(p.job.output)
     first_put = resume_from.state.published if resume_from else 0
-    writer = Mp4Writer(partial, width=p.size[0], height=p.size[1], fps=spec.video.fps, total_frames=p.frames,
-                       audio_path=str(p.job.audio), codec=resolve_codec(spec.video.codec.value, str(runtime.device)),
-                       crf=spec.video.crf, preset=spec.video.preset, metadata={"comment": output_tag(fingerprint)},
-                       resume_from=source, resume_frames=copy_to, first_put=first_put)
+    writer: Mp4Writer | NullSink = NullSink()
+    if main:
+        make_output_folder(p.job.output)
+        writer = Mp4Writer(partial, width=p.size[0], height=p.size[1], fps=spec.video.fps, total_frames=frames,
+                           audio_path=str(p.job.audio),
+                           codec=resolve_codec(spec.video.codec.value, str(runtime.device)),
+                           crf=spec.video.crf, preset=spec.video.preset, metadata={"comment": output_tag(fingerprint)},
+                           resume_from=source, resume_frames=copy_to, first_put=first_put)
     saver = ckpt.CheckpointWriter(partial, checkpoint)
     reader = AudioWindowReader(p.job.audio, sample_rate=p.model.config.audio.sample_rate, info=p.audio)
-    reporter.start(output=str(p.job.output), frames=p.frames, chunks=len(chunks), fps=spec.video.fps)
+    reporter.start(output=str(p.job.output), frames=frames, chunks=len(chunks), fps=spec.video.fps)
     done_chunks = resume_from.next_chunk if resume_from else 0
 
     def on_chunk(d: ChunkDone) -> None:
@@ -205,6 +250,8 @@ def render(p: Prepared, reporter: Reporter, models: ModelCache | None = None, re
 
     def on_stretch(s: Stretch) -> None:
         saver.add_stretch(s.start, s.end, s.digest)
+        if not main:
+            return
         try:
             saver.save(s.next_chunk, s.state)
         except OSError as e:
@@ -214,30 +261,34 @@ def render(p: Prepared, reporter: Reporter, models: ModelCache | None = None, re
 
     try:
         t_render = time.perf_counter()
-        stats = pipeline.run(spec, image, reader, p.frames, writer, p.size, on_chunk, on_stretch, resume_from)
-        writer.close()
+        stats = pipeline.run(spec, image, reader, frames, writer, p.size, on_chunk, on_stretch, resume_from)
+        if main:
+            writer.close()
         gen_s = time.perf_counter() - t_render
     except BaseException:
         # Keep what was written: the fragmented MP4 stays playable, the checkpoint stays valid,
         # and nothing appears at the output path.
-        writer.abort()
+        if main:
+            writer.abort()
         raise
     finally:
         reader.close()
-    os.replace(partial, p.job.output)
-    saver.remove()
-    if source is not None:
-        source.unlink(missing_ok=True)
+    if main:
+        os.replace(partial, p.job.output)
+        saver.remove()
+        if source is not None:
+            source.unlink(missing_ok=True)
 
-    duration = p.frames / spec.video.fps
+    duration = frames / spec.video.fps
+    made = stats.frames - first_put
     return {
-        "output": str(p.job.output), "frames": p.frames, "video_fps": spec.video.fps,
+        "output": str(p.job.output), "frames": frames, "video_fps": spec.video.fps,
         "duration_s": round(duration, 4), "wall_s": round(time.perf_counter() - t_start, 4),
-        "ttff_s": round(stats.ttff_s, 4), "render_fps": round((stats.frames - first_put) / gen_s, 3),
-        "rtf": round((stats.frames - first_put) / spec.video.fps / gen_s, 4), "peak_rss_mb": round(peak_rss_mb(), 1),
+        "ttff_s": round(stats.ttff_s, 4), "render_fps": round(made / gen_s, 3),
+        "rtf": round(made / spec.video.fps / gen_s, 4), "peak_rss_mb": round(peak_rss_mb(), 1),
         "load_s": round(t_render - t_start, 4), "generate_s": round(gen_s, 4),
         "compute_s": {k: round(v, 4) for k, v in stats.compute_s.items()},
-        "resumed_at": first_put, "frames_digest": checkpoint.frames_digest,
+        "resumed_at": first_put, "frames_digest": checkpoint.frames_digest, "ranks": dist.world_size,
     }
 
 

@@ -29,6 +29,18 @@ class Device(str, Enum):
     cuda = "cuda"
 
 
+class Offload(str, Enum):
+    auto = "auto"
+    none = "none"
+    model = "model"
+    block = "block"
+
+
+class Reshard(str, Enum):
+    per_block = "per_block"
+    per_stage = "per_stage"
+
+
 class DType(str, Enum):
     auto = "auto"
     float32 = "float32"
@@ -66,6 +78,8 @@ class RuntimeSpec:
     device: Device = Device.auto
     dtype: DType = DType.auto  # auto: bfloat16 (faster than float32 on both modern CPUs and GPUs)
     threads: int = 0  # torch CPU threads; 0 = one per core
+    offload: Offload = Offload.auto  # one GPU: where idle models wait (auto decides from free GPU memory)
+    reshard: Reshard = Reshard.per_block  # several GPUs: FSDP2 reshards after each block, or after each stage
 
 
 @dataclass

@@ -151,11 +151,16 @@ def load_checkpoint(partial: Path) -> Checkpoint | None:
 
 
 def load_state(partial: Path, point: ResumePoint, device: torch.device, dtype: torch.dtype) -> RollingState:
-    t = load_file(str(partial.parent / point.state_file))
+    tensors = load_file(str(partial.parent / point.state_file))
+    return state_from_tensors(tensors, point.held_starts, point.published, device, dtype)
+
+
+def state_from_tensors(t: dict[str, torch.Tensor], held_starts: list[int], published: int,
+                       device: torch.device, dtype: torch.dtype) -> RollingState:
     to = lambda name: t[name].to(device, dtype) if name in t else None  # noqa: E731
-    held = [(start, to(f"held{i}")) for i, start in enumerate(point.held_starts)]
+    held = [(start, to(f"held{i}")) for i, start in enumerate(held_starts)]
     return RollingState(tail=to("tail"), anchors=to("anchors"), held=held, decode_cache=to("decode_cache"),
-                        published=point.published)
+                        published=published)
 
 
 def resume_path(partial: Path) -> Path:

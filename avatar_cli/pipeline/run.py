@@ -13,6 +13,7 @@ from avatar_cli.modules.module import Module
 from avatar_cli.pipeline.schedule import Chunk, plan
 from avatar_cli.pipeline.state import RollingState
 from avatar_cli.runtime.device import Runtime
+from avatar_cli.runtime.placement import Placement
 from avatar_cli.spec import JobSpec
 from avatar_cli.stages.a2v import AudioToVideo
 from avatar_cli.stages.base import StageTimer
@@ -67,9 +68,11 @@ class RenderStats:
 
 
 class Pipeline:
-    def __init__(self, modules: Mapping[str, Module], config: FamilyConfig, runtime: Runtime):
+    def __init__(self, modules: Mapping[str, Module], config: FamilyConfig, runtime: Runtime,
+                 placement: Placement | None = None):
         self.config = config
         self.runtime = runtime
+        self.placement = placement or Placement()
         self.reference = ReferenceEncode(modules, runtime)
         self.context = ContextGen(modules, runtime)
         self.a2v = AudioToVideo(modules, runtime)
@@ -104,31 +107,32 @@ class Pipeline:
             self.context.release_before(audio, chunks[first].start - 1, fps)
 
         # 1. Reference and prompt conditioning: computed once, kept for the whole job.
-        with timer("reference"):
+        stage = self.placement.stage  # brings a stage's models onto the device, and drops them after
+        with timer("reference"), stage("vae"):
             ref = self.reference.run(image, self.config.low_size)
-        with timer("context"):
+        with timer("context"), stage("text"):
             text = self.context.encode_prompt(spec.prompt)
 
         for i in range(first, len(chunks)):
             chunk = chunks[i]
             # 2. Context: audio features for the chunk's frames, noise, and the given frames.
             given = self._given(chunk, state)
-            with timer("context"):
+            with timer("context"), stage("audio"):
                 ctx = self.context.run(chunk, audio, fps, text, given, spec.seed, self.latent_shape)
                 # Later chunks start at most one frame before this one (an I chunk's first anchor).
                 self.context.release_before(audio, chunk.start - 1, fps)
             # 3. Audio-to-video: sample the chunk's low-resolution latents.
-            with timer("a2v"):
+            with timer("a2v"), stage("dit"):
                 z = self.a2v.run(ctx, ref, s.steps, s.guidance, s.shift)  # (L, C, h, w)
             self._keep(chunk, z, state, keep_tail=max(1, spec.chunking.motion_frames))
 
             # 4. Publish what no later chunk can change: super-resolve, decode, hand to the encoder.
             final = state.take_final(chunk.publish_to)
             if final is not None:
-                with timer("sr"):
+                with timer("sr"), stage("sr"):
                     z_hi = self.sr.run(final, ref)
                 hashing = HashingSink(sink)
-                with timer("decode"):
+                with timer("decode"), stage("vae"):
                     state.decode_cache, n = self.publish.run(z_hi, state.decode_cache, hashing, size)
                 state.published += n
                 if ttff is None:

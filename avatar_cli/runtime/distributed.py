@@ -104,3 +104,14 @@ def init_distributed(device_type: str) -> Dist:
     log.info("distributed: rank %d of %d (local %d), %s, collective timeout %.0f s",
              rank, world, local, dist.get_backend(), timeout.total_seconds())
     return Dist(rank=rank, world_size=world, local_rank=local, mesh=mesh)
+
+
+_CURRENT: Dist | None = None
+
+
+def current_dist(device_type: str) -> Dist:
+    """The process group of this process, joined on first use (one per process, shared by a batch's jobs)."""
+    global _CURRENT
+    if _CURRENT is None:
+        _CURRENT = init_distributed(device_type)
+    return _CURRENT
