@@ -178,6 +178,44 @@ def models_init(directory: Annotated[Path, typer.Argument(help="A new (or empty)
     _run(action, json, debug)
 
 
+def _without_nproc(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc":
+            skip = True
+        elif not arg.startswith("--nproc="):
+            out.append(arg)
+    return out
+
+
+@app.command()
+def reference(seed: Annotated[int, typer.Option("--seed", help="Identity seed (training uses 0..99999; "
+                                                 "1000000 and up are never trained on).")],
+              output: Annotated[Path, typer.Option("-o", "--output", help="PNG to write.")],
+              size: Annotated[int, typer.Option("--size", help="Side in pixels.")] = 256,
+              force: Annotated[bool, typer.Option("--force", help="Replace an existing file.")] = False,
+              debug: DebugOpt = False) -> None:
+    """Write a procedurally generated reference face (PNG)."""
+    def action(reporter):
+        from avatar_cli.errors import InputError
+        from avatar_cli.media.image import save_png
+        from avatar_cli.synth import render_reference
+
+        if output.exists() and not force:
+            raise InputError(f"output: {output} already exists; pass --force to replace it")
+        if size < 16 or size % 2:
+            raise InputError("--size must be an even number of at least 16")
+        output.parent.mkdir(parents=True, exist_ok=True)
+        tmp = output.with_name(output.name + ".tmp")
+        save_png(tmp, render_reference(seed, size))
+        os.replace(tmp, output)
+        reporter.info(f"wrote {output}")
+
+    _run(action, False, debug)
+
+
 def _print_info(reporter, info: dict) -> None:
     from avatar_cli.report import JsonReporter
 
