@@ -97,9 +97,16 @@ def render(
     fail_fast: Annotated[bool, typer.Option("--fail-fast", help="Stop the batch at the first failed job.")] = False,
     shard: Annotated[Optional[str], typer.Option("--shard", help="I/N: render only every N-th job, starting at I "
                                                  "(0-based), of the sorted job list.", show_default=False)] = None,
+    nproc: Annotated[int, typer.Option("--nproc", help="Run under torchrun with this many processes "
+                                       "(one per GPU) on this host.")] = 1,
     json: JsonOpt = None, debug: DebugOpt = False,
 ) -> None:
     """Render one or more jobs to MP4."""
+    if nproc > 1:
+        from avatar_cli.runtime.launch import relaunch
+
+        raise typer.Exit(relaunch(nproc, _without_nproc(sys.argv[1:])))
+
     debug = debug or os.environ.get("AVATAR_DEBUG") == "1"
 
     def action(reporter):

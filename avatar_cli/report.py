@@ -1,6 +1,7 @@
 """Progress for people (Rich) and for machines (JSON lines on stdout, nothing else there)."""
 
 import json
+import os
 import resource
 import sys
 import time
@@ -136,8 +137,36 @@ class RichReporter:
         self.console.print(", ".join(f"{n} {k}" for k, n in counts.items()))
 
 
+class QuietReporter:
+    """Ranks other than 0 under torchrun: no progress, no events; errors go to stderr, marked with the rank."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+
+    def start(self, **_: Any) -> None:
+        pass
+
+    def chunk(self, **_: Any) -> None:
+        pass
+
+    def done(self, summary: dict[str, Any]) -> None:
+        pass
+
+    def info(self, message: str) -> None:
+        pass
+
+    def batch(self, results: list) -> None:
+        pass
+
+    def error(self, code: int, message: str) -> None:
+        print(f"error (rank {self.rank}): {message}", file=sys.stderr)
+
+
 def make_reporter(json_mode: bool | None) -> Reporter:
-    """JSON lines when asked, or when stdout is not a terminal (CI, pipes, cron)."""
+    """JSON lines when asked, or when stdout is not a terminal (CI, pipes, cron). Only rank 0 reports."""
+    rank = int(os.environ.get("RANK", "0"))
+    if rank != 0:
+        return QuietReporter(rank)
     if json_mode or (json_mode is None and not sys.stdout.isatty()):
         return JsonReporter()
     return RichReporter()
