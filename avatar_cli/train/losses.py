@@ -1,0 +1,162 @@
+"""One batch and one loss per phase. Each batch is a pure function of a numpy/torch generator pair."""
+
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from avatar_cli.models.family import FamilyConfig
+from avatar_cli.synth import mouth_box
+from avatar_cli.train.data import VAEFrames, downsample, prompt_ids
+from avatar_cli.train.plan import TrainPlan
+
+
+def step_rngs(seed: int, phase: str, step: int) -> tuple[np.random.Generator, torch.Generator]:
+    """All randomness of one step, from (seed, phase, step) alone: resuming needs no RNG state."""
+    key = [int(seed), {"vae": 1, "sr": 2, "dit": 3, "probe": 4}[phase], int(step)]
+    rng = np.random.default_rng(key)
+    return rng, torch.Generator().manual_seed(int(rng.integers(2**62)))
+
+
+# --- VAE ------------------------------------------------------------------------------------------
+
+def vae_batch(frames: VAEFrames, plan: TrainPlan, cfg: FamilyConfig, step: int, rng: np.random.Generator
+              ) -> dict[int, torch.Tensor]:
+    """{side: (windows, window + 1, 3, side, side)}: consecutive frames; frame 0 of each window is the
+    previous frame whose latent the decoder gets as its cache."""
+    current = step // plan.vae_steps_per_clip
+    out = {}
+    for side in (cfg.image_size, cfg.low_size):
+        wins = []
+        for _ in range(plan.vae_windows):
+            clip = frames.clip(int(rng.integers(max(0, current - 3), current + 1)))  # (T, 3, S, S)
+            s = int(rng.integers(0, clip.shape[0] - plan.vae_window))
+            x = clip[s:s + plan.vae_window + 1]
+            wins.append(x if side == cfg.image_size else downsample(x, side))
+        out[side] = torch.stack(wins)
+    return out
+
+
+def vae_loss(vae, batch: dict[int, torch.Tensor], plan: TrainPlan, gen: torch.Generator) -> torch.Tensor:
+    total = 0.0
+    for side, x in batch.items():
+        W, n1 = x.shape[:2]
+        mean, logvar = vae.encoder(x.flatten(0, 1))  # (W*n1, C, h, w) each
+        z = mean + torch.exp(0.5 * logvar) * torch.randn(mean.shape, generator=gen)  # (W*n1, C, h, w)
+        z = z.unflatten(0, (W, n1))  # (W, n1, C, h, w)
+        weight = torch.ones(side, side)
+        rows, cols = mouth_box(side)
+        weight[rows, cols] += plan.mouth_weight
+        rec = 0.0
+        for w in range(W):
+            # One window in four starts a timeline (no cache): the decoder's first-chunk path.
+            prev = None if torch.rand((), generator=gen) < 0.25 else z[w, :1]
+            y, _ = vae.decode(z[w, 1:], prev)  # (n, 3, S, S)
+            rec = rec + ((y - x[w, 1:]).abs() * weight).mean() / weight.mean()
+        kl = 0.5 * (mean.pow(2) + logvar.exp() - 1.0 - logvar).mean()
+        total = total + rec / W + plan.kl_weight * kl
+    return total / len(batch)
+
+
+@torch.no_grad()
+def normalize_latents(vae, x: torch.Tensor) -> torch.Tensor:
+    """Rescale the latent space to unit RMS per channel, exactly (the sampler's noise is N(0, 1) and the
+    pipeline applies no scale factor). z' = z / s: the encoder's mean head is divided by s, its log-variance
+    shifted by -2 log s, and the decoder's first conv multiplied by s (zero padding keeps this exact).
+    x (N, 3, S, S) frames to measure on. Returns s (C,)."""
+    enc, dec = vae.encoder, vae.decoder
+    C = enc.conv_out.out_channels // 2
+    s = vae.encode(x).pow(2).mean(dim=(0, 2, 3)).sqrt().clamp(min=1e-4)  # (C,)
+    enc.conv_out.weight[:C] /= s[:, None, None, None]
+    enc.conv_out.bias[:C] /= s
+    enc.conv_out.bias[C:] -= 2 * torch.log(s)
+    dec.conv_in.weight[:, :C] *= s[None, :, None, None]  # the current frame
+    dec.conv_in.weight[:, C:] *= s[None, :, None, None]  # the previous frame
+    return s
+
+
+# --- SR -------------------------------------------------------------------------------------------
+
+def sr_batch(cache: dict[str, torch.Tensor], plan: TrainPlan, rng: np.random.Generator) -> dict[str, torch.Tensor]:
+    n, T = cache["lo"].shape[:2]
+    c = torch.from_numpy(rng.integers(0, n, plan.sr_batch))
+    f = torch.from_numpy(rng.integers(0, T, plan.sr_batch))
+    return {"lo": cache["lo"][c, f].float(), "hi": cache["hi"][c, f].float(), "ref_hi": cache["ref_hi"][c].float()}
+
+
+def sr_loss(sr, b: dict[str, torch.Tensor]) -> torch.Tensor:
+    return F.mse_loss(sr(b["lo"], b["ref_hi"]), b["hi"])
+
+
+# --- DiT ------------------------------------------------------------------------------------------
+
+def window_layout(plan: TrainPlan, rng: np.random.Generator) -> tuple[str, int, tuple[int, ...]]:
+    """(kind, window length, given positions), in the proportions of `plan.p_window`:
+    an N chunk continuing from motion frames, the first N chunk (nothing given), or an I chunk
+    (anchors at both ends). Lengths vary a little around the spec defaults."""
+    kind = rng.choice(["N", "N0", "I"], p=list(plan.p_window))
+    if kind == "N":
+        m = plan.motion_frames if rng.random() < 0.7 else int(rng.integers(1, 2 * plan.motion_frames + 1))
+        return "N", m + plan.chunk_frames, tuple(range(m))
+    if kind == "N0":
+        return "N0", plan.chunk_frames, ()
+    a = plan.transition_frames if rng.random() < 0.7 else int(rng.integers(1, 2 * plan.transition_frames + 1))
+    return "I", a + 2, (0, a + 1)
+
+
+def dit_batch(cache: dict[str, torch.Tensor], plan: TrainPlan, cfg: FamilyConfig, rng: np.random.Generator,
+              gen: torch.Generator) -> dict:
+    kind, L, given = window_layout(plan, rng)
+    n, T = cache["lat"].shape[:2]
+    B = max(1, plan.dit_tokens // L)
+    clips = torch.from_numpy(rng.integers(0, n, B))
+    starts = torch.from_numpy(rng.integers(0, T - L + 1, B))
+    idx = starts[:, None] + torch.arange(L)  # (B, L)
+    x1 = cache["lat"][clips[:, None], idx].float()  # (B, L, C, h, w)
+    mask = torch.zeros(B, L, dtype=torch.bool)
+    mask[:, list(given)] = True
+    # Noise level per sample, on the sampler's shifted schedule (most) or uniform (some).
+    sigma = torch.sigmoid(torch.randn(B, generator=gen))
+    sigma = plan.shift * sigma / (1 + (plan.shift - 1) * sigma)
+    uniform = torch.rand(B, generator=gen)
+    sigma = torch.where(torch.rand(B, generator=gen) < 0.2, uniform, sigma)
+    t = (1.0 - sigma)[:, None].expand(B, L)  # (B, L)
+    t = torch.where(mask, 1.0, t)
+    x0 = torch.randn(x1.shape, generator=gen)  # (B, L, C, h, w)
+    cond = x1
+    if given and rng.random() < 0.5:
+        cond = x1 + plan.cond_noise * torch.randn(x1.shape, generator=gen)
+    tt = t[:, :, None, None, None]
+    xt = torch.where(mask[:, :, None, None, None], cond, tt * x1 + (1 - tt) * x0)  # (B, L, C, h, w)
+    form = ["both", "both", "expr", "energy", "talk"][int(rng.integers(5))]
+    text_ids = None if rng.random() < plan.p_prompt_drop else prompt_ids(cache["labels"][clips], form, rng, cfg.text)
+    return {
+        "kind": kind, "xt": xt, "t": t, "mask": mask, "v": x1 - x0,
+        "mel": cache["mel"][clips[:, None], idx].float(),  # (B, L, n_mels, mel_frames)
+        "audio_keep": torch.rand(B, generator=gen) >= plan.p_audio_drop,  # (B,)
+        "ref_lo": cache["ref_lo"][clips].float(), "ref_hi": cache["ref_hi"][clips].float(),
+        "text_ids": text_ids,
+    }
+
+
+def dit_loss(dit, audio_enc, text_enc, b: dict, cfg: FamilyConfig, autocast: bool) -> torch.Tensor:
+    B, L = b["t"].shape
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        audio = audio_enc(b["mel"].flatten(0, 1)).unflatten(0, (B, L))  # (B, L, audio_dim)
+        audio = audio * b["audio_keep"][:, None, None]  # dropped: zeros, as the unconditional CFG branch
+        if b["text_ids"] is None:
+            text = torch.zeros(B, 0, cfg.text.dim)
+        else:
+            text = text_enc(b["text_ids"])  # (B, Nt, text_dim)
+        v = dit(b["xt"], b["t"], b["mask"], audio, b["ref_lo"], b["ref_hi"], text)  # (B, L, C, h, w)
+    err = (v.float() - b["v"]).pow(2).mean(dim=(2, 3, 4))  # (B, L)
+    free = (~b["mask"]).float()
+    return (err * free).sum() / free.sum()
+
+
+def lr_at(progress: float, step: int, base: float, warmup: int) -> float:
+    """Linear warm-up, then cosine to 10% of the base rate; progress in [0, 1]."""
+    if step < warmup:
+        return base * (step + 1) / warmup
+    return base * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
