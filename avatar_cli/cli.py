@@ -40,22 +40,17 @@ def _install_signal_handlers() -> None:
     resumable checkpoint. A second SIGINT: exit at once."""
     interrupted = False
 
-    def on_sigint(signum, frame):  # noqa: ARG001
-        nonlocal interrupted
-        if interrupted:
-            os._exit(EXIT_INTERRUPTED)
-        interrupted = True
-        raise KeyboardInterrupt
+    def handler(exc: type[BaseException], code: int):
+        def on_signal(signum, frame):  # noqa: ARG001
+            nonlocal interrupted
+            if interrupted:
+                os._exit(code)
+            interrupted = True
+            raise exc
+        return on_signal
 
-    def on_sigterm(signum, frame):  # noqa: ARG001
-        nonlocal interrupted
-        if interrupted:
-            os._exit(EXIT_TERMINATED)
-        interrupted = True
-        raise Terminated
-
-    signal.signal(signal.SIGINT, on_sigint)
-    signal.signal(signal.SIGTERM, on_sigterm)
+    signal.signal(signal.SIGINT, handler(KeyboardInterrupt, EXIT_INTERRUPTED))
+    signal.signal(signal.SIGTERM, handler(Terminated, EXIT_TERMINATED))
 
 
 def _run(action, json_mode: Optional[bool], debug: bool) -> None:
