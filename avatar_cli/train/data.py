@@ -76,7 +76,7 @@ class VAEFrames:
             c = make_clip(ident, aud, self.clip_s, FPS, size=self.cfg.image_size)
             self._clips[j] = to_unit(c.frames)
             while len(self._clips) > self.keep:
-                self._clips.pop(min(self._clips))
+                self._clips.pop(next(k for k in self._clips if k != j))  # the oldest other clip
         return self._clips[j]
 
 

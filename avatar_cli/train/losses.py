@@ -60,14 +60,14 @@ def vae_loss(vae, batch: dict[int, torch.Tensor], plan: TrainPlan, gen: torch.Ge
 
 
 @torch.no_grad()
-def normalize_latents(vae, x: torch.Tensor) -> torch.Tensor:
+def normalize_latents(vae, xs: list[torch.Tensor]) -> torch.Tensor:
     """Rescale the latent space to unit RMS per channel, exactly (the sampler's noise is N(0, 1) and the
     pipeline applies no scale factor). z' = z / s: the encoder's mean head is divided by s, its log-variance
     shifted by -2 log s, and the decoder's first conv multiplied by s (zero padding keeps this exact).
-    x (N, 3, S, S) frames to measure on. Returns s (C,)."""
+    xs: batches of frames (N, 3, S, S) to measure on (one per resolution). Returns s (C,)."""
     enc, dec = vae.encoder, vae.decoder
     C = enc.conv_out.out_channels // 2
-    s = vae.encode(x).pow(2).mean(dim=(0, 2, 3)).sqrt().clamp(min=1e-4)  # (C,)
+    s = torch.stack([vae.encode(x).pow(2).mean(dim=(0, 2, 3)) for x in xs]).mean(0).sqrt().clamp(min=1e-4)  # (C,)
     enc.conv_out.weight[:C] /= s[:, None, None, None]
     enc.conv_out.bias[:C] /= s
     enc.conv_out.bias[C:] -= 2 * torch.log(s)

@@ -20,7 +20,7 @@ from torch import nn
 from avatar_cli.models.family import COMPONENTS, SIZES, FamilyConfig
 from avatar_cli.modules.module import Module
 from avatar_cli.train import checkpoint as ckpt
-from avatar_cli.train.data import VAEFrames, build_dit_clip, build_sr_clip, load_clips, save_clip
+from avatar_cli.train.data import VAEFrames, build_dit_clip, downsample, build_sr_clip, load_clips, save_clip
 from avatar_cli.train.losses import (dit_batch, dit_loss, lr_at, normalize_latents, sr_batch, sr_loss, step_rngs,
                                      vae_batch, vae_loss)
 from avatar_cli.train.plan import TrainPlan, plan_for
@@ -174,9 +174,7 @@ class Trainer:
                        lambda b: vae_loss(vae, b[0], p, b[1]))
         # Unit-RMS latents, measured on the first training clips at both resolutions.
         x = torch.cat([frames.clip(j)[::4] for j in range(3)])
-        from avatar_cli.train.data import downsample
-        s = normalize_latents(vae, torch.cat([x, torch.nn.functional.interpolate(downsample(x, cfg.low_size),
-                                                                                  size=x.shape[-2:])]))
+        s = normalize_latents(vae, [x, downsample(x, cfg.low_size)])
         self.state["latent_scale"] = [round(float(v), 6) for v in s]
 
     def phase_cache(self) -> None:
