@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test bench eval clean
+.PHONY: setup demo test bench train eval clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,13 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/run.py
+
+# Train the shipped model from scratch (about 80 minutes on 2 CPU cores; resumable).
+train: $(STAMP)
+	$(VENV)/bin/avatar train --out avatar_cli/weights/mini --work train_work
+
+eval: $(STAMP)
+	$(VENV)/bin/avatar eval
 
 clean:
 	rm -rf out .pytest_cache

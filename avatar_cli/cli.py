@@ -218,6 +218,42 @@ def reference(seed: Annotated[int, typer.Option("--seed", help="Identity seed (t
     _run(action, False, debug)
 
 
+@app.command()
+def train(out: Annotated[Path, typer.Option("--out", help="Model directory to write (config.json + safetensors).")],
+          work: Annotated[Optional[Path], typer.Option("--work", help="Checkpoints and latent cache "
+                                                       "(default: <out>.work); a killed run resumes from it.")] = None,
+          size: Annotated[str, typer.Option("--size", help="A named size: tiny or mini.")] = "mini",
+          budget_minutes: Annotated[float, typer.Option("--budget-minutes", help="Wall-time budget.")] = 90.0,
+          seed: Annotated[int, typer.Option("--seed")] = 0,
+          restart: Annotated[bool, typer.Option("--restart", help="Ignore an existing checkpoint.")] = False,
+          debug: DebugOpt = False) -> None:
+    """Train a model family on procedurally generated talking heads (see avatar_cli/train/MODEL_CARD.md)."""
+    def action(reporter):
+        from avatar_cli.train import train as run_train
+
+        run_train(out, size, work, budget_minutes, seed, resume=not restart)
+
+    _run(action, False, debug)
+
+
+@app.command("eval")
+def eval_(model: Annotated[str, typer.Option("--model", help="A shipped model's name or a model directory.")] = "mini",
+          long_minutes: Annotated[float, typer.Option("--long-minutes", help="Length of the drift render.")] = 10.0,
+          identities: Annotated[int, typer.Option("--identities", help="Held-out identities to render.")] = 2,
+          clip_s: Annotated[float, typer.Option("--clip-s", help="Length of each lip-sync clip.")] = 8.0,
+          out_md: Annotated[Path, typer.Option("--out-md")] = Path("bench/results.md"),
+          contact_sheet: Annotated[Path, typer.Option("--contact-sheet")] = Path("bench/contact_sheet.png"),
+          debug: DebugOpt = False) -> None:
+    """Score a model on held-out identities and speech: lip sync, drift, seams, VAE PSNR, prompt direction."""
+    def action(reporter):
+        from avatar_cli.evaluate import evaluate
+
+        evaluate(model, out_md, contact_sheet, long_minutes, identities, clip_s,
+                 command="avatar eval " + " ".join(sys.argv[2:]))
+
+    _run(action, False, debug)
+
+
 def _print_info(reporter, info: dict) -> None:
     from avatar_cli.report import JsonReporter
 
