@@ -178,6 +178,8 @@ def _resume_point(p: Prepared, fingerprint: dict[str, str], reporter: Reporter):
         found.stretches, found.points = [], []
         return found, None, source, 0
     point = usable[-1]
+    # Stretches the interrupted render published after this point: what we generate again must match them.
+    found.expected = {(a, b): d for a, b, d in found.stretches[point.digests:]}
     found.stretches = found.stretches[: point.digests]
     found.points = [pt for pt in found.points if pt.published <= point.published]
     reporter.info(f"resume: {on_disk} frames were on disk; copying {copy_to}, generating again from frame "
@@ -250,6 +252,10 @@ def render(p: Prepared, reporter: Reporter, models: ModelCache | None = None, re
 
     def on_stretch(s: Stretch) -> None:
         saver.add_stretch(s.start, s.end, s.digest)
+        expected = checkpoint.expected.pop((s.start, s.end), None)
+        if expected is not None and expected != s.digest:
+            reporter.info(f"warning: frames {s.start}-{s.end} differ from the interrupted render's (another machine "
+                          "or thread count?); the video stays valid but may show a seam there")
         if not main:
             return
         try:

@@ -49,6 +49,8 @@ class Checkpoint:
     bytes_written: int = 0
     seq: int = 0
     version: int = VERSION
+    # On resume only, not saved: digests the interrupted render published past the resume point.
+    expected: dict = field(default_factory=dict, repr=False)
 
     @property
     def frames_digest(self) -> str:
@@ -123,7 +125,8 @@ class CheckpointWriter:
         c.points.append(ResumePoint(next_chunk, state.published, name, [s for s, _ in state.held], len(c.stretches)))
         dropped, c.points = c.points[:-RING], c.points[-RING:]
         c.bytes_written = self.partial.stat().st_size if self.partial.exists() else 0
-        _atomic_write(self.json_path, json.dumps(asdict(c)).encode())
+        record = {k: v for k, v in asdict(c).items() if k != "expected"}
+        _atomic_write(self.json_path, json.dumps(record).encode())
         for point in dropped:  # only after the JSON no longer names them
             (self.partial.parent / point.state_file).unlink(missing_ok=True)
 
@@ -147,6 +150,7 @@ def load_checkpoint(partial: Path) -> Checkpoint | None:
     if d.get("version") != VERSION:
         raise ValueError(f"checkpoint version {d.get('version')} is not {VERSION}")
     d["points"] = [ResumePoint(**p) for p in d["points"]]
+    d.pop("expected", None)
     return Checkpoint(**d)
 
 
