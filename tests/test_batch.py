@@ -242,3 +242,19 @@ def test_disk_too_small_is_refused_before_starting(job_dir: Path, small_disk: Pa
     assert result.returncode == 2
     assert "not enough disk space" in events(result.stdout)[-1]["message"]
     assert os.listdir(small_disk) == []
+
+
+def test_jobs_sharing_a_model_load_it_once(job_dir: Path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from avatar_cli import runner
+    from avatar_cli.cli import app
+
+    jobs = make_batch(job_dir, ["a", "b", "c"])
+    calls = []
+    real = runner.load_modules
+    monkeypatch.setattr(runner, "load_modules", lambda source: calls.append(source.name) or real(source))
+    result = CliRunner().invoke(app, ["render", str(jobs), "--json"])
+    assert result.exit_code == 0, result.output
+    assert len(calls) == 1
+    assert len(list((job_dir / "out").glob("*.mp4"))) == 3
