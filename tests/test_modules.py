@@ -128,3 +128,12 @@ def test_dit_shapes_and_mask_conditioning():
         assert (v2 - v)[0, 3].abs().mean() > (v2 - v)[0, 0].abs().mean()  # mostly frame 3 moves
         v3 = dit(**dict(args, text=args["text"][:, :0]))  # no prompt tokens: still works
         assert v3.shape == v.shape and not torch.allclose(v3, v)
+
+
+def test_prompt_words_outside_the_vocabulary_are_ignored():
+    from avatar_cli.models.text import TextParams, tokenize
+
+    p = TextParams()
+    assert tokenize("Smiling, LIVELY!", p) == tokenize("smiling lively", p) != []
+    assert tokenize("a smiling zebra, quite lively", p) == tokenize("smiling lively", p)
+    assert tokenize("zebra unicorn", p) == []
