@@ -186,7 +186,23 @@ def _unique_params(module: nn.Module) -> list[nn.Parameter]:
     return list({id(p): p for p in module.parameters()}.values())
 
 
-class BlockOffloader:
+class _Stage:
+    """`with offloader.stage():` brings the model onto the device for a stage and drops it after."""
+
+    def begin(self) -> None: ...
+
+    def end(self) -> None: ...
+
+    @contextlib.contextmanager
+    def stage(self) -> Iterator[None]:
+        self.begin()
+        try:
+            yield
+        finally:
+            self.end()
+
+
+class BlockOffloader(_Stage):
     """Double-buffered block streaming for `model.blocks` (see the module docstring).
 
     The stage starts at the model's first forward (or `begin()`); call `end()` when it ends, or use
@@ -244,13 +260,6 @@ class BlockOffloader:
         self._resident, self._pending, self._free_after, self._current = [None, None], {}, [None, None], None
         self.active = False
 
-    @contextlib.contextmanager
-    def stage(self) -> Iterator[None]:
-        self.begin()
-        try:
-            yield
-        finally:
-            self.end()
 
     def remove(self) -> None:
         """End any stage and detach the hooks; parameters stay in their host slabs."""
@@ -302,7 +311,7 @@ class BlockOffloader:
             self._issue(nxt, other)
 
 
-class ModelOffloader:
+class ModelOffloader(_Stage):
     """Policy "model": the whole model is one slab, on the device for its stage and dropped after."""
 
     def __init__(self, model: nn.Module, transfer: Transfer):
@@ -332,13 +341,6 @@ class ModelOffloader:
         self.transfer.free(self._buf)
         self._buf, self.active = None, False
 
-    @contextlib.contextmanager
-    def stage(self) -> Iterator[None]:
-        self.begin()
-        try:
-            yield
-        finally:
-            self.end()
 
     def remove(self) -> None:
         self.end()
