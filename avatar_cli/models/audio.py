@@ -1,5 +1,6 @@
 """Audio features: log-mel windows centred on each video frame, and the learned encoder over them."""
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -33,11 +34,18 @@ def frame_window_starts(first_frame: int, num_frames: int, fps: float, p: AudioP
     return torch.round(centres * p.sample_rate).long() - p.window_samples // 2  # (T,)
 
 
+@functools.lru_cache(maxsize=4)
+def _stft_tables(p: AudioParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Hann window and mel filterbank (freqs, n_mels): built once, not on every chunk."""
+    fb = AF.melscale_fbanks(p.n_fft // 2 + 1, 40.0, p.sample_rate / 2, p.n_mels, p.sample_rate)
+    return torch.hann_window(p.n_fft), fb
+
+
 def log_mel_windows(windows: torch.Tensor, p: AudioParams) -> torch.Tensor:
     """windows (T, window_samples) mono audio -> (T, n_mels, mel_frames) log-mel features."""
-    spec = torch.stft(windows.float(), p.n_fft, p.hop, window=torch.hann_window(p.n_fft), center=False,
+    window, fb = _stft_tables(p)
+    spec = torch.stft(windows.float(), p.n_fft, p.hop, window=window, center=False,
                       return_complex=True).abs().pow(2)  # (T, n_fft/2+1, mel_frames)
-    fb = AF.melscale_fbanks(p.n_fft // 2 + 1, 40.0, p.sample_rate / 2, p.n_mels, p.sample_rate)  # (freqs, n_mels)
     mel = torch.einsum("tfn,fm->tmn", spec, fb)  # (T, n_mels, mel_frames)
     return (torch.log(mel + 1e-6) + 6.0) / 4.0  # roughly zero-mean, unit-scale for speech at normal levels
 
