@@ -1,4 +1,4 @@
-"""The shipped `mini` weights: they load strictly and make a face whose mouth follows the speech."""
+"""The shipped `mini` weights: they load strictly and make the reference's face, whose mouth follows the speech."""
 
 import subprocess
 import sys
@@ -8,10 +8,10 @@ from pathlib import Path
 import av
 import numpy as np
 
-from avatar_cli.evaluate.metrics import lip_sync
+from avatar_cli.evaluate.metrics import face_error, lip_sync
 from avatar_cli.media.image import save_png
 from avatar_cli.modules.registry import check_model, load_modules, resolve_model
-from avatar_cli.synth import EVAL_IDENTITY_SEEDS, HELDOUT_AUDIO_SEED_START, render_reference, synth_speech
+from avatar_cli.synth import EVAL_IDENTITY_SEEDS, HELDOUT_AUDIO_SEED_START, make_clip, render_reference, synth_speech
 
 
 def test_shipped_mini_is_trained_and_loads_strictly():
@@ -22,7 +22,7 @@ def test_shipped_mini_is_trained_and_loads_strictly():
     assert sum(m.num_params for m in modules.values()) > 1_000_000
 
 
-def test_shipped_mini_mouth_follows_the_audio(tmp_path: Path):
+def test_shipped_mini_keeps_the_face_and_moves_the_mouth_with_the_audio(tmp_path: Path):
     ident, audio_seed, rate = EVAL_IDENTITY_SEEDS[3], HELDOUT_AUDIO_SEED_START + 3, 16_000
     reference = render_reference(ident, 256)
     save_png(tmp_path / "face.png", reference)
@@ -39,4 +39,9 @@ def test_shipped_mini_mouth_follows_the_audio(tmp_path: Path):
     with av.open(str(tmp_path / "out.mp4")) as c:
         frames = np.stack([f.to_ndarray(format="rgb24") for f in c.decode(video=0)])
     assert frames.shape == (200, 256, 256, 3)
-    assert lip_sync(frames, reference, audio, rate, 25.0) > 0.2  # measured 0.43 with the first trained weights
+    assert lip_sync(frames, reference, audio, rate, 25.0) > 0.35  # measured 0.64 (session-2 weights)
+    # Identity: the face region stays close to the reference, measured against the generator's own
+    # frames of this identity and speech (head sway, blinks and the mouth make those differ too).
+    truth = make_clip(ident, audio_seed, 8.0, 25, size=256).frames.numpy()
+    ratio = face_error(frames, reference).mean() / face_error(truth, reference).mean()
+    assert ratio < 2.6, ratio  # measured 1.89 (session-1 weights, in the eval: 74 / 14.6 ≈ 5)

@@ -1,8 +1,8 @@
 """The audio-to-video Diffusion Transformer, trained by flow matching.
 
 One joint self-attention sequence per chunk: [text tokens, reference tokens, video tokens].
-Each video frame carries its own conditioning vector (flow time + audio features + a mask
-embedding), so one network serves N chunks (clean motion frames at the start) and I chunks
+Each video frame carries its own conditioning vector (flow time + audio features + the pooled
+prompt + a mask embedding), and its tokens carry the reference latent at the same place, so one network serves N chunks (clean motion frames at the start) and I chunks
 (clean anchors at both ends): the mask only says which frames are given.
 """
 
@@ -105,10 +105,16 @@ class DiT(nn.Module):
         c, d = p.latent_channels, p.dim
         self.x_embed = nn.Linear(p.patch * p.patch * c, d)
         self.ref_lo_embed = nn.Linear(p.patch * p.patch * c, d)
+        # The reference latent also enters every frame's tokens at the same place (as channel concat does
+        # in image-to-video models): a token sees what the person looks like right where it is.
+        self.ref_in = nn.Linear(p.patch * p.patch * c, d)
         self.ref_hi_embed = nn.Linear(p.ref_hi_patch * p.ref_hi_patch * c, d)
         self.text_embed = nn.Linear(p.text_dim, d)
         self.t_embed = MLPEmbedder(256, d)
         self.audio_embed = MLPEmbedder(p.audio_dim, d)
+        # The prompt's mean token also joins every frame's modulation vector (as FLUX's pooled text vector
+        # does): expression and motion energy are global to a frame, which modulation expresses directly.
+        self.text_pool = MLPEmbedder(p.text_dim, d)
         self.mask_embed = nn.Embedding(2, d)
         self.ctx_cond = nn.Parameter(torch.zeros(1, 1, d))
         self.blocks = nn.ModuleList([DiTBlock(p) for _ in range(p.depth)])
@@ -174,15 +180,18 @@ class DiT(nn.Module):
         """
         p = self.params
         B, L = x.shape[:2]
-        vid = self.x_embed(self.patchify(x, p.patch))  # (B, L, P, D)
+        ref_tokens = self.patchify(ref_lo, p.patch)  # (B, P, p*p*C)
+        vid = self.x_embed(self.patchify(x, p.patch)) + self.ref_in(ref_tokens)[:, None]  # (B, L, P, D)
         ctx = torch.cat([
             self.text_embed(text),  # (B, Nt, D)
-            self.ref_lo_embed(self.patchify(ref_lo, p.patch)),  # (B, P, D)
+            self.ref_lo_embed(ref_tokens),  # (B, P, D)
             self.ref_hi_embed(self.patchify(ref_hi, p.ref_hi_patch)),  # (B, P', D)
         ], dim=1)  # (B, Nc, D)
 
+        pooled = text.mean(dim=1) if text.shape[1] else text.new_zeros(B, p.text_dim)  # (B, text_dim)
         c_vid = (self.t_embed(timestep_embedding(t, 256).to(x.dtype))
                  + self.audio_embed(audio)
+                 + self.text_pool(pooled)[:, None]
                  + self.mask_embed(mask.long()))[:, :, None]  # (B, L, 1, D)
         c_ctx = self.ctx_cond.to(x.dtype).expand(B, -1, -1)  # (B, 1, D)
         cos, sin = self.rope(ctx.shape[1], L, x.device, frame_offset)

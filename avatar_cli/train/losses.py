@@ -140,7 +140,8 @@ def dit_batch(cache: dict[str, torch.Tensor], plan: TrainPlan, cfg: FamilyConfig
     }
 
 
-def dit_loss(dit, audio_enc, text_enc, b: dict, cfg: FamilyConfig, autocast: bool) -> torch.Tensor:
+def dit_loss(dit, audio_enc, text_enc, b: dict, cfg: FamilyConfig, autocast: bool, mouth_weight: float = 0.0
+             ) -> torch.Tensor:
     B, L = b["t"].shape
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         audio = audio_enc(b["mel"].flatten(0, 1)).unflatten(0, (B, L))  # (B, L, audio_dim)
@@ -150,7 +151,11 @@ def dit_loss(dit, audio_enc, text_enc, b: dict, cfg: FamilyConfig, autocast: boo
         else:
             text = text_enc(b["text_ids"])  # (B, Nt, text_dim)
         v = dit(b["xt"], b["t"], b["mask"], audio, b["ref_lo"], b["ref_hi"], text)  # (B, L, C, h, w)
-    err = (v.float() - b["v"]).pow(2).mean(dim=(2, 3, 4))  # (B, L)
+    h = b["xt"].shape[-1]
+    weight = torch.ones(h, h)
+    rows, cols = mouth_box(h)
+    weight[rows, cols] += mouth_weight  # the mouth is a few latent cells; lip sync lives there
+    err = ((v.float() - b["v"]).pow(2) * weight).mean(dim=(2, 3, 4)) / weight.mean()  # (B, L)
     free = (~b["mask"]).float()
     return (err * free).sum() / free.sum()
 

@@ -207,7 +207,8 @@ class Trainer:
         data = self.cache("dit", p.dit_clips)
         self.run_phase("dit", p.dit_steps, p.dit_share, p.dit_lr,
                        lambda step, rng, gen: dit_batch(data, p, cfg, rng, gen),
-                       lambda b: dit_loss(m["dit"], m["audio"], m["text"], b, cfg, p.dit_autocast))
+                       lambda b: dit_loss(m["dit"], m["audio"], m["text"], b, cfg, p.dit_autocast,
+                                          p.dit_mouth_weight))
 
     def run(self) -> None:
         actions = {"vae": self.phase_vae, "cache": self.phase_cache, "sr": self.phase_sr, "dit": self.phase_dit}
