@@ -2,16 +2,17 @@
 
 import subprocess
 import sys
-import wave
 from pathlib import Path
 
 import av
 import numpy as np
 
+from avatar_cli.evaluate.bench import write_wav
 from avatar_cli.evaluate.metrics import face_error, lip_sync
 from avatar_cli.media.image import save_png
 from avatar_cli.modules.registry import check_model, load_modules, resolve_model
-from avatar_cli.synth import EVAL_IDENTITY_SEEDS, HELDOUT_AUDIO_SEED_START, make_clip, render_reference, synth_speech
+from avatar_cli.synth import (EVAL_IDENTITY_SEEDS, HELDOUT_AUDIO_SEED_START, SAMPLE_RATE, make_clip, render_reference,
+                              synth_speech)
 
 
 def test_shipped_mini_is_trained_and_loads_strictly():
@@ -23,15 +24,11 @@ def test_shipped_mini_is_trained_and_loads_strictly():
 
 
 def test_shipped_mini_keeps_the_face_and_moves_the_mouth_with_the_audio(tmp_path: Path):
-    ident, audio_seed, rate = EVAL_IDENTITY_SEEDS[3], HELDOUT_AUDIO_SEED_START + 3, 16_000
+    ident, audio_seed, rate = EVAL_IDENTITY_SEEDS[3], HELDOUT_AUDIO_SEED_START + 3, SAMPLE_RATE
     reference = render_reference(ident, 256)
     save_png(tmp_path / "face.png", reference)
     audio = synth_speech(audio_seed, 8.0, rate)  # held-out speech of a held-out identity
-    with wave.open(str(tmp_path / "speech.wav"), "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(rate)
-        w.writeframes((np.clip(audio, -1, 1) * 32767).astype("<i2").tobytes())
+    write_wav(tmp_path / "speech.wav", audio)
     (tmp_path / "job.yaml").write_text("reference: face.png\naudio: speech.wav\noutput: out.mp4\nseed: 1\n")
     result = subprocess.run([sys.executable, "-m", "avatar_cli", "render", str(tmp_path / "job.yaml"), "--json"],
                             capture_output=True, text=True, timeout=300)

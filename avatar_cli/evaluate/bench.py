@@ -42,7 +42,8 @@ class Rendered:
     wall_s: float
 
 
-def _write_wav(path: Path, audio: np.ndarray) -> None:
+def write_wav(path: Path, audio: np.ndarray) -> None:
+    """Mono 16-bit PCM at the generator's sample rate."""
     with wave.open(str(path), "wb") as w:
         w.setnchannels(1)
         w.setsampwidth(2)
@@ -64,7 +65,7 @@ class Renderer:
         d.mkdir(parents=True)
         reference = render_reference(identity, self.size)
         save_png(d / "ref.png", reference)
-        _write_wav(d / "speech.wav", audio)
+        write_wav(d / "speech.wav", audio)
         (d / "job.yaml").write_text(
             f"reference: ref.png\naudio: speech.wav\noutput: out.mp4\nmodel: {self.model}\nseed: {self.seed}\n"
             f"prompt: \"{prompt}\"\nsampling:\n  steps: {self.steps}\nvideo:\n  crf: 12\n"

@@ -2,8 +2,9 @@
 
 One joint self-attention sequence per chunk: [text tokens, reference tokens, video tokens].
 Each video frame carries its own conditioning vector (flow time + audio features + the pooled
-prompt + a mask embedding), and its tokens carry the reference latent at the same place, so one network serves N chunks (clean motion frames at the start) and I chunks
-(clean anchors at both ends): the mask only says which frames are given.
+prompt + a mask embedding), and its tokens carry the reference latent at the same place, so one
+network serves N chunks (clean motion frames at the start) and I chunks (clean anchors at both
+ends): the mask only says which frames are given.
 """
 
 from collections.abc import Callable

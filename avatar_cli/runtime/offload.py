@@ -260,7 +260,6 @@ class BlockOffloader(_Stage):
         self._resident, self._pending, self._free_after, self._current = [None, None], {}, [None, None], None
         self.active = False
 
-
     def remove(self) -> None:
         """End any stage and detach the hooks; parameters stay in their host slabs."""
         self.end()
@@ -340,7 +339,6 @@ class ModelOffloader(_Stage):
         self.group.point_at(self.group.host_views)
         self.transfer.free(self._buf)
         self._buf, self.active = None, False
-
 
     def remove(self) -> None:
         self.end()

@@ -19,6 +19,14 @@ def step_rngs(seed: int, phase: str, step: int) -> tuple[np.random.Generator, to
     return rng, torch.Generator().manual_seed(int(rng.integers(2**62)))
 
 
+def mouth_weights(side: int, extra: float) -> torch.Tensor:
+    """(side, side) loss weights: 1, plus `extra` in the window the lip-sync meter reads."""
+    weight = torch.ones(side, side)
+    rows, cols = mouth_box(side)
+    weight[rows, cols] += extra
+    return weight
+
+
 # --- VAE ------------------------------------------------------------------------------------------
 
 def vae_batch(frames: VAEFrames, plan: TrainPlan, cfg: FamilyConfig, step: int, rng: np.random.Generator
@@ -45,9 +53,7 @@ def vae_loss(vae, batch: dict[int, torch.Tensor], plan: TrainPlan, gen: torch.Ge
         mean, logvar = vae.encoder(x.flatten(0, 1))  # (W*n1, C, h, w) each
         z = mean + torch.exp(0.5 * logvar) * torch.randn(mean.shape, generator=gen)  # (W*n1, C, h, w)
         z = z.unflatten(0, (W, n1))  # (W, n1, C, h, w)
-        weight = torch.ones(side, side)
-        rows, cols = mouth_box(side)
-        weight[rows, cols] += plan.mouth_weight
+        weight = mouth_weights(side, plan.mouth_weight)  # (S, S)
         rec = 0.0
         for w in range(W):
             # One window in four starts a timeline (no cache): the decoder's first-chunk path.
@@ -151,10 +157,7 @@ def dit_loss(dit, audio_enc, text_enc, b: dict, cfg: FamilyConfig, autocast: boo
         else:
             text = text_enc(b["text_ids"])  # (B, Nt, text_dim)
         v = dit(b["xt"], b["t"], b["mask"], audio, b["ref_lo"], b["ref_hi"], text)  # (B, L, C, h, w)
-    h = b["xt"].shape[-1]
-    weight = torch.ones(h, h)
-    rows, cols = mouth_box(h)
-    weight[rows, cols] += mouth_weight  # the mouth is a few latent cells; lip sync lives there
+    weight = mouth_weights(b["xt"].shape[-1], mouth_weight)  # (h, w): lip sync lives in a few latent cells
     err = ((v.float() - b["v"]).pow(2) * weight).mean(dim=(2, 3, 4)) / weight.mean()  # (B, L)
     free = (~b["mask"]).float()
     return (err * free).sum() / free.sum()
