@@ -226,12 +226,17 @@ def train(out: Annotated[Path, typer.Option("--out", help="Model directory to wr
           budget_minutes: Annotated[float, typer.Option("--budget-minutes", help="Wall-time budget.")] = 90.0,
           seed: Annotated[int, typer.Option("--seed")] = 0,
           restart: Annotated[bool, typer.Option("--restart", help="Ignore an existing checkpoint.")] = False,
+          start_from: Annotated[Optional[Path], typer.Option(
+              "--start-from", help="Begin with this model directory's weights, at --phase (no checkpoint yet).")] = None,
+          phase: Annotated[str, typer.Option("--phase", help="Phase to begin at with --start-from: "
+                                             "cache, sr, dit or decoder.")] = "decoder",
           debug: DebugOpt = False) -> None:
     """Train a model family on procedurally generated talking heads (see avatar_cli/train/MODEL_CARD.md)."""
     def action(reporter):
         from avatar_cli.train import train as run_train
 
-        run_train(out, size, work, budget_minutes, seed, resume=not restart)
+        run_train(out, size, work, budget_minutes, seed, resume=not restart, start_from=start_from,
+                  start_phase=phase)
 
     _run(action, False, debug)
 

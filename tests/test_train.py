@@ -7,13 +7,14 @@ import numpy as np
 import pytest
 import torch
 
+from avatar_cli.errors import InputError
 from avatar_cli.models.audio import AudioParams
 from avatar_cli.modules.registry import load_modules, resolve_model
 from avatar_cli.train import plan_for, train
 from avatar_cli.train.data import clip_seeds, mel_features
 from avatar_cli.synth import EVAL_IDENTITY_SEEDS, TRAIN_IDENTITY_SEEDS
 
-PLAN = plan_for("tiny", dit_autocast=False, vae_steps=6, sr_steps=6, dit_steps=6, dit_clips=2)
+PLAN = plan_for("tiny", dit_autocast=False, vae_steps=6, sr_steps=6, dit_steps=6, decoder_steps=6, dit_clips=2)
 
 
 @pytest.fixture(scope="module")
@@ -26,10 +27,38 @@ def trained(tmp_path_factory) -> tuple[Path, dict]:
 
 def test_each_phase_lowers_its_loss(trained):
     _, summary = trained
-    for phase in ("vae", "sr", "dit"):
+    for phase in ("vae", "sr", "dit", "decoder"):
         probe = summary["probe"][phase]
         assert probe["after"] < probe["before"], (phase, probe)
-    assert summary["steps"] == {"vae": PLAN.vae_steps, "sr": PLAN.sr_steps, "dit": PLAN.dit_steps}
+    assert summary["steps"] == {"vae": PLAN.vae_steps, "sr": PLAN.sr_steps, "dit": PLAN.dit_steps,
+                                "decoder": PLAN.decoder_steps}
+
+
+def test_decoder_polish_from_a_model_dir_changes_the_decoder_only(trained, tmp_path):
+    """--start-from DIR --phase decoder: the encoder (so the latent space the DiT and SR learned) is frozen."""
+    base, _ = trained
+    out = train(tmp_path / "model", size="tiny", work_dir=tmp_path / "work", seed=1, plan=PLAN,
+                log=lambda e: None, start_from=base / "model", start_phase="decoder")
+    assert out["steps"] == {"decoder": PLAN.decoder_steps} and out["start_from"] == str(base / "model")
+    assert out["probe"]["decoder"]["after"] < out["probe"]["decoder"]["before"]
+    a = load_modules(resolve_model(str(base / "model"), Path("/")))
+    b = load_modules(resolve_model(str(tmp_path / "model"), Path("/")))
+    changed = set()
+    for name in a:
+        for (k, va), vb in zip(a[name].model.state_dict().items(), b[name].model.state_dict().values()):
+            if not torch.equal(va, vb):
+                changed.add(f"{name}.{k}".split(".")[:2][1] if name == "vae" else name)
+    assert changed == {"decoder"}
+
+
+def test_start_from_checks_size_and_phase(tmp_path):
+    with pytest.raises(InputError, match="config.json"):
+        train(tmp_path / "m", size="tiny", work_dir=tmp_path / "w", plan=PLAN, log=lambda e: None,
+              start_from=resolve_model("mini", Path("/")).path)
+    with pytest.raises(InputError, match="phase 'vea'"):
+        train(tmp_path / "m", size="tiny", work_dir=tmp_path / "w", plan=PLAN, log=lambda e: None,
+              start_from=tmp_path, start_phase="vea")
+    assert not (tmp_path / "m").exists()
 
 
 def test_model_dir_loads_strictly(trained):

@@ -54,8 +54,9 @@ def write_wav(path: Path, audio: np.ndarray) -> None:
 class Renderer:
     """Writes inputs and a job file into a temp folder and renders them through the runner."""
 
-    def __init__(self, model: str, work: Path, steps: int, seed: int, image_size: int):
+    def __init__(self, model: str, work: Path, steps: int, seed: int, image_size: int, guidance: float = 1.0):
         self.model, self.work, self.steps, self.seed, self.size = model, work, steps, seed, image_size
+        self.guidance = guidance
         self.count = 0
 
     def render(self, identity: int, audio: np.ndarray, prompt: str = "", transitions: bool = True,
@@ -68,7 +69,7 @@ class Renderer:
         write_wav(d / "speech.wav", audio)
         (d / "job.yaml").write_text(
             f"reference: ref.png\naudio: speech.wav\noutput: out.mp4\nmodel: {self.model}\nseed: {self.seed}\n"
-            f"prompt: \"{prompt}\"\nsampling:\n  steps: {self.steps}\nvideo:\n  crf: 12\n"
+            f"prompt: \"{prompt}\"\nsampling:\n  steps: {self.steps}\n  guidance: {self.guidance}\nvideo:\n  crf: 12\n"
             f"chunking:\n  transitions: {str(transitions).lower()}\n")
         t0 = time.perf_counter()
         p = runner.prepare(load_job(d / "job.yaml"), force=True)

@@ -25,7 +25,7 @@ from avatar_cli.models.text import tokenize
 from avatar_cli.models.vae import VAE
 from avatar_cli.synth import TRAIN_AUDIO_SEEDS, TRAIN_IDENTITY_SEEDS, make_clip, render_reference
 
-SEED_BASE = {"vae": 0, "sr": 20_000, "dit": 40_000}
+SEED_BASE = {"vae": 0, "sr": 20_000, "dit": 40_000, "decoder": 60_000}
 FPS = 25.0
 
 
@@ -65,14 +65,14 @@ def mel_features(audio: np.ndarray, num_frames: int, fps: float, p: AudioParams)
 class VAEFrames:
     """Clips for the VAE phase, rendered on demand and kept in a small LRU."""
 
-    def __init__(self, cfg: FamilyConfig, clip_s: float, keep: int = 6):
-        self.cfg, self.clip_s, self.keep = cfg, clip_s, keep
+    def __init__(self, cfg: FamilyConfig, clip_s: float, keep: int = 6, kind: str = "vae"):
+        self.cfg, self.clip_s, self.keep, self.kind = cfg, clip_s, keep, kind
         self._clips: dict[int, torch.Tensor] = {}
 
     def clip(self, j: int) -> torch.Tensor:
         """(T, 3, S, S) in [-1, 1] at the model's native size."""
         if j not in self._clips:
-            ident, aud = clip_seeds("vae", j)
+            ident, aud = clip_seeds(self.kind, j)
             c = make_clip(ident, aud, self.clip_s, FPS, size=self.cfg.image_size)
             self._clips[j] = to_unit(c.frames)
             while len(self._clips) > self.keep:

@@ -14,7 +14,7 @@ from avatar_cli.train.plan import TrainPlan
 
 def step_rngs(seed: int, phase: str, step: int) -> tuple[np.random.Generator, torch.Generator]:
     """All randomness of one step, from (seed, phase, step) alone: resuming needs no RNG state."""
-    key = [int(seed), {"vae": 1, "sr": 2, "dit": 3, "probe": 4}[phase], int(step)]
+    key = [int(seed), {"vae": 1, "sr": 2, "dit": 3, "probe": 4, "decoder": 5}[phase], int(step)]
     rng = np.random.default_rng(key)
     return rng, torch.Generator().manual_seed(int(rng.integers(2**62)))
 
@@ -29,13 +29,13 @@ def mouth_weights(side: int, extra: float) -> torch.Tensor:
 
 # --- VAE ------------------------------------------------------------------------------------------
 
-def vae_batch(frames: VAEFrames, plan: TrainPlan, cfg: FamilyConfig, step: int, rng: np.random.Generator
-              ) -> dict[int, torch.Tensor]:
+def vae_batch(frames: VAEFrames, plan: TrainPlan, cfg: FamilyConfig, step: int, rng: np.random.Generator,
+              native_only: bool = False) -> dict[int, torch.Tensor]:
     """{side: (windows, window + 1, 3, side, side)}: consecutive frames; frame 0 of each window is the
-    previous frame whose latent the decoder gets as its cache."""
+    previous frame whose latent the decoder gets as its cache. Both sizes, or the native one only."""
     current = step // plan.vae_steps_per_clip
     out = {}
-    for side in (cfg.image_size, cfg.low_size):
+    for side in (cfg.image_size,) if native_only else (cfg.image_size, cfg.low_size):
         wins = []
         for _ in range(plan.vae_windows):
             clip = frames.clip(int(rng.integers(max(0, current - 3), current + 1)))  # (T, 3, S, S)
@@ -63,6 +63,24 @@ def vae_loss(vae, batch: dict[int, torch.Tensor], plan: TrainPlan, gen: torch.Ge
         kl = 0.5 * (mean.pow(2) + logvar.exp() - 1.0 - logvar).mean()
         total = total + rec / W + plan.kl_weight * kl
     return total / len(batch)
+
+
+def decoder_loss(vae, x: torch.Tensor, plan: TrainPlan, gen: torch.Generator) -> torch.Tensor:
+    """The decoder polish: x (windows, window + 1, 3, S, S) at the native size. The frozen encoder's mean
+    latent is decoded, as the render decodes the SR's latents (no sampling noise)."""
+    W, n1 = x.shape[:2]
+    fast = plan.decoder_autocast
+    with torch.no_grad():
+        z = vae.encode(x.flatten(0, 1).contiguous(memory_format=torch.channels_last))  # (W*n1, C, h, w)
+    z = z.unflatten(0, (W, n1))  # (W, n1, C, h, w)
+    weight = mouth_weights(x.shape[-1], plan.mouth_weight)  # (S, S)
+    rec = 0.0
+    for w in range(W):
+        prev = None if torch.rand((), generator=gen) < 0.25 else z[w, :1]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=fast):
+            y, _ = vae.decode(z[w, 1:].contiguous(memory_format=torch.channels_last), prev)  # (n, 3, S, S)
+        rec = rec + ((y.float() - x[w, 1:]).abs() * weight).mean() / weight.mean()
+    return rec / W
 
 
 @torch.no_grad()

@@ -9,10 +9,12 @@ class TrainPlan:
     vae_steps: int = 1500
     sr_steps: int = 1500
     dit_steps: int = 3400
+    decoder_steps: int = 3000
     # Shares of the budget; the latent cache is built between the VAE and SR phases out of the remainder.
-    vae_share: float = 0.33
+    vae_share: float = 0.315
     sr_share: float = 0.06
-    dit_share: float = 0.50
+    dit_share: float = 0.478
+    decoder_share: float = 0.11
     # VAE: windows of consecutive frames at the native and at the DiT's resolution (trains the temporal cache).
     vae_windows: int = 2  # per resolution
     vae_window: int = 4  # frames decoded per window (one more is encoded as the cached previous frame)
@@ -41,6 +43,11 @@ class TrainPlan:
     cond_noise: float = 0.03  # noise on given frames half of the time: the model learns to trust imperfect ones
     shift: float = 3.0  # training noise levels follow the sampler's shifted schedule
     dit_autocast: bool = True  # bf16 autocast on the DiT (measured ~20% faster on CPU); convs stay fp32
+    # Decoder polish: the encoder is frozen (the cached latents, and so the DiT and SR, stay valid) and the
+    # decoder trains alone at the native size on the encoder's mean latents, as the render decodes them.
+    # Windows, clip length and mouth weight as in the VAE phase; fresh clips.
+    decoder_lr: float = 1e-3  # 800-step trials: +1.1 dB held-out PSNR at 1e-3, +0.6 dB at 5e-4
+    decoder_autocast: bool = True  # bf16 + channels_last: 0.20 s/step vs 0.31 in fp32, same PSNR at equal steps
     warmup: int = 100
     grad_clip: float = 1.0
     ckpt_every_s: float = 180.0
@@ -50,7 +57,7 @@ class TrainPlan:
 PLANS = {
     "mini": TrainPlan(),
     # The real code path at toy size, for tests: a few steps per phase, seconds in all.
-    "tiny": TrainPlan(vae_steps=8, sr_steps=8, dit_steps=8, vae_windows=1, vae_window=3, vae_clip_s=0.4,
+    "tiny": TrainPlan(vae_steps=8, sr_steps=8, dit_steps=8, decoder_steps=8, vae_windows=1, vae_window=3, vae_clip_s=0.4,
                       vae_steps_per_clip=4, vae_lr=3e-3, sr_clips=2, sr_clip_s=0.4, sr_batch=8, sr_lr=3e-3,
                       dit_clips=3, dit_clip_s=1.4, dit_tokens=28, dit_lr=3e-3, chunk_frames=8, motion_frames=2,
                       transition_frames=2, warmup=2, ckpt_every_s=1e9, probes=2),

@@ -1,4 +1,5 @@
-"""The resumable trainer: VAE -> latent cache -> SR -> DiT (with the audio and text encoders) -> model dir.
+"""The resumable trainer: VAE -> latent cache -> SR -> DiT (with the audio and text encoders) -> decoder
+polish (encoder frozen) -> model dir.
 
     train(out_dir, size="mini", work_dir=..., budget_minutes=90, seed=0)
 
@@ -17,16 +18,19 @@ import numpy as np
 import torch
 from torch import nn
 
+from avatar_cli.errors import InputError
 from avatar_cli.models.family import COMPONENTS, SIZES, FamilyConfig
 from avatar_cli.modules.module import Module
+from avatar_cli.modules.registry import load_modules, resolve_model
 from avatar_cli.train import checkpoint as ckpt
 from avatar_cli.train.data import VAEFrames, build_dit_clip, downsample, build_sr_clip, load_clips, save_clip
-from avatar_cli.train.losses import (dit_batch, dit_loss, lr_at, normalize_latents, sr_batch, sr_loss, step_rngs,
-                                     vae_batch, vae_loss)
+from avatar_cli.train.losses import (decoder_loss, dit_batch, dit_loss, lr_at, normalize_latents, sr_batch, sr_loss,
+                                     step_rngs, vae_batch, vae_loss)
 from avatar_cli.train.plan import TrainPlan, plan_for
 
-PHASES = ("vae", "cache", "sr", "dit", "done")
-TRAINED = {"vae": ("vae",), "sr": ("sr",), "dit": ("dit", "audio", "text")}
+PHASES = ("vae", "cache", "sr", "dit", "decoder", "done")
+# The modules each phase trains, as "model" or "model.submodule".
+TRAINED = {"vae": ("vae",), "sr": ("sr",), "dit": ("dit", "audio", "text"), "decoder": ("vae.decoder",)}
 
 
 def init_models(cfg: FamilyConfig, seed: int) -> dict[str, nn.Module]:
@@ -85,8 +89,18 @@ class Trainer:
             f.write(json.dumps(event) + "\n")
         self.log_fn(event)
 
+    def trained(self, phase: str) -> list[nn.Module]:
+        out = []
+        for path in TRAINED[phase]:
+            name, *rest = path.split(".")
+            m = self.models[name]
+            for attr in rest:
+                m = getattr(m, attr)
+            out.append(m)
+        return out
+
     def make_opt(self, phase: str, lr: float) -> torch.optim.Optimizer:
-        params = [p for name in TRAINED[phase] for p in self.models[name].parameters()]
+        params = [p for m in self.trained(phase) for p in m.parameters()]
         return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.99), weight_decay=0.0)
 
     def save(self) -> None:
@@ -108,6 +122,16 @@ class Trainer:
                 self.opt.load_state_dict(opt_state)
         return True
 
+    def start_from(self, source: Path, phase: str) -> None:
+        """Begin at `phase` with the weights of a model directory (strict keys; its config must be this size's)."""
+        src = resolve_model(str(source), Path.cwd())
+        if src.config != self.cfg:
+            raise InputError(f"{source}: its config.json is not the '{self.cfg.size}' size's")
+        for name, module in load_modules(src).items():
+            self.models[name].load_state_dict(module.model.float().state_dict(), strict=True)
+        self.state.update(phase=phase, step=0, start_from=str(source))
+        self.save()
+
     def next_phase(self, phase: str) -> None:
         self.state["phase"], self.state["step"] = phase, 0
         self.opt = None
@@ -118,7 +142,7 @@ class Trainer:
     def run_phase(self, phase: str, steps: int, share: float, lr: float,
                   batch_fn: Callable[[int, np.random.Generator, torch.Generator], object],
                   loss_fn: Callable[[object], torch.Tensor]) -> None:
-        models = [self.models[n] for n in TRAINED[phase]]
+        models = self.trained(phase)
         for m in models:
             m.train()
         if self.opt is None:
@@ -210,8 +234,20 @@ class Trainer:
                        lambda b: dit_loss(m["dit"], m["audio"], m["text"], b, cfg, p.dit_autocast,
                                           p.dit_mouth_weight))
 
+    def phase_decoder(self) -> None:
+        p, cfg, vae = self.plan, self.cfg, self.models["vae"]
+        frames = VAEFrames(cfg, p.vae_clip_s, kind="decoder")
+        vae.encoder.eval()
+        vae.to(memory_format=torch.channels_last)  # oneDNN's fast conv layout; checkpoints store contiguous copies
+        self.run_phase("decoder", p.decoder_steps, p.decoder_share, p.decoder_lr,
+                       lambda step, rng, gen: (vae_batch(frames, p, cfg, step, rng, native_only=True)[cfg.image_size],
+                                               gen),
+                       lambda b: decoder_loss(vae, b[0], p, b[1]))
+        vae.to(memory_format=torch.contiguous_format)
+
     def run(self) -> None:
-        actions = {"vae": self.phase_vae, "cache": self.phase_cache, "sr": self.phase_sr, "dit": self.phase_dit}
+        actions = {"vae": self.phase_vae, "cache": self.phase_cache, "sr": self.phase_sr, "dit": self.phase_dit,
+                   "decoder": self.phase_decoder}
         while self.state["phase"] != "done":
             phase = self.state["phase"]
             actions[phase]()
@@ -221,16 +257,21 @@ class Trainer:
 def train(out_dir: str | Path, size: str = "mini", work_dir: str | Path | None = None, budget_minutes: float = 90.0,
           seed: int = 0, resume: bool = True, plan: TrainPlan | None = None,
           log: Callable[[dict], None] = lambda e: print(json.dumps(e), flush=True),
-          halt_after_steps: int | None = None) -> dict | None:
+          halt_after_steps: int | None = None, start_from: str | Path | None = None,
+          start_phase: str = "decoder") -> dict | None:
     """Train a model of size `size` and write its model directory to `out_dir`.
 
     work_dir holds the checkpoint, the latent cache and train_log.jsonl (default: `<out_dir>.work`).
     resume: continue from work_dir's checkpoint when there is one (False: start over, clearing it).
     halt_after_steps: stop (checkpointed) after this many optimizer steps in this call, as a kill would;
-    returns None then. Otherwise returns the summary that is also written to work_dir/summary.json.
+    returns None then.
+    start_from: a model directory whose weights the run starts with, at phase `start_phase` (e.g. to re-run the
+    decoder polish on trained weights); ignored when work_dir holds a checkpoint to resume. Otherwise returns the summary that is also written to work_dir/summary.json.
     """
     if size not in SIZES:
-        raise ValueError(f"unknown size '{size}' (choose from {', '.join(SIZES)})")
+        raise InputError(f"unknown size '{size}' (choose from {', '.join(SIZES)})")
+    if start_phase not in PHASES[1:-1]:
+        raise InputError(f"unknown phase '{start_phase}' to start at (choose from {', '.join(PHASES[1:-1])})")
     out_dir = Path(out_dir)
     work = Path(work_dir) if work_dir is not None else out_dir.with_name(out_dir.name + ".work")
     if not resume:
@@ -240,6 +281,9 @@ def train(out_dir: str | Path, size: str = "mini", work_dir: str | Path | None =
     trainer = Trainer(cfg, plan or plan_for(size), work, budget_minutes * 60.0, seed, log, halt_after_steps)
     if resume and trainer.resume():
         log({"event": "resumed", "phase": trainer.state["phase"], "step": trainer.state["step"]})
+    elif start_from is not None:
+        trainer.start_from(Path(start_from), start_phase)
+        log({"event": "started_from", "model": str(start_from), "phase": start_phase})
     try:
         trainer.run()
     except _Halt:
@@ -248,6 +292,6 @@ def train(out_dir: str | Path, size: str = "mini", work_dir: str | Path | None =
     st = trainer.state
     summary = {"size": size, "seed": seed, "out_dir": str(out_dir), "seconds": st["seconds"],
                "steps": st.get("steps_done", {}), "probe": st["probe"], "latent_scale": st["latent_scale"],
-               "total_minutes": round(sum(st["seconds"].values()) / 60, 2)}
+               "total_minutes": round(sum(st["seconds"].values()) / 60, 2), "start_from": st.get("start_from")}
     (work / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
