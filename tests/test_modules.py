@@ -130,6 +130,36 @@ def test_dit_shapes_and_mask_conditioning():
         assert v3.shape == v.shape and not torch.allclose(v3, v)
 
 
+def test_dit_predicting_the_frame_cancels_the_noise_exactly():
+    """predict="x": the output is the clean frame as a change from the reference, so at init (zero output) one
+    Euler step to t = 1 lands on the reference latent whatever the noise; a velocity model lands on the noise."""
+    from dataclasses import replace
+
+    cfg = SIZES["tiny"]
+    p = cfg.dit
+    L, C, n = 5, p.latent_channels, p.latent_size
+    t = torch.full((1, L), 0.3)
+    args = dict(x=torch.randn(1, L, C, n, n), t=t, mask=torch.zeros(1, L, dtype=torch.bool),
+                audio=torch.randn(1, L, p.audio_dim), ref_lo=torch.randn(1, C, n, n),
+                ref_hi=torch.randn(1, C, 2 * n, 2 * n), text=torch.randn(1, 2, p.text_dim))
+    for predict, target in (("x", args["ref_lo"][:, None].expand(1, L, C, n, n)), ("v", args["x"])):
+        dit = COMPONENTS["dit"][1](replace(p, predict=predict))
+        dit.init_weights(torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            x1 = args["x"] + 0.7 * dit(**args)  # (1, L, C, n, n)
+        torch.testing.assert_close(x1, target, rtol=1e-5, atol=1e-5)
+
+
+def test_config_written_before_predict_existed_loads_as_a_velocity_model(tmp_path):
+    d = json.loads(SIZES["mini"].to_json())
+    assert d["dit"]["predict"] == "x"
+    del d["dit"]["predict"]
+    assert FamilyConfig.from_dict(d).dit.predict == "v"
+    d["dit"]["predict"] = "eps"
+    with pytest.raises(ValueError, match="dit.predict"):
+        FamilyConfig.from_dict(d).check()
+
+
 def test_prompt_words_outside_the_vocabulary_are_ignored():
     from avatar_cli.models.text import TextParams, tokenize
 

@@ -9,6 +9,7 @@ import torch
 
 from avatar_cli.errors import InputError
 from avatar_cli.models.audio import AudioParams
+from avatar_cli.models.family import SIZES
 from avatar_cli.modules.registry import load_modules, resolve_model
 from avatar_cli.train import plan_for, train
 from avatar_cli.train.data import clip_seeds, mel_features
@@ -49,6 +50,30 @@ def test_decoder_polish_from_a_model_dir_changes_the_decoder_only(trained, tmp_p
             if not torch.equal(va, vb):
                 changed.add(f"{name}.{k}".split(".")[:2][1] if name == "vae" else name)
     assert changed == {"decoder"}
+
+
+def test_start_at_the_dit_takes_vae_and_sr_and_builds_the_cache(trained, tmp_path):
+    """--phase dit: the VAE and SR come from the directory, the DiT and its encoders start fresh (as in a
+    from-scratch run), and the latent cache the DiT needs is built first."""
+    from avatar_cli.train import checkpoint as ckpt
+    from avatar_cli.train.trainer import init_models
+
+    base, _ = trained
+    work = tmp_path / "work"
+    assert train(tmp_path / "model", size="tiny", work_dir=work, seed=0, plan=PLAN, log=lambda e: None,
+                 start_from=base / "model", start_phase="dit", halt_after_steps=1) is None
+    state, models, _ = ckpt.load(work)
+    assert state["phase"] == "dit" and state["step"] == 1
+    assert len(list((work / "cache" / "dit").glob("*.safetensors"))) == PLAN.dit_clips
+    source = load_modules(resolve_model(str(base / "model"), Path("/")))
+    fresh = init_models(SIZES["tiny"], 0)
+    for name in ("vae", "sr"):
+        for k, v in source[name].model.state_dict().items():
+            assert torch.equal(models[name][k], v), f"{name}.{k}"
+    # The text encoder trains in the DiT phase: one step away from a fresh init, far from the trained one.
+    emb = "embed.weight"
+    assert (models["text"][emb] - fresh["text"].state_dict()[emb]).abs().max() < \
+        (models["text"][emb] - source["text"].model.state_dict()[emb]).abs().max()
 
 
 def test_start_from_checks_size_and_phase(tmp_path):

@@ -29,6 +29,10 @@ class DiTParams:
     audio_dim: int = 128
     text_dim: int = 128
     ref_hi_patch: int = 4  # the high-res reference latent is patchified coarser: same token count, more detail per token
+    # What the network's output means. "x": the clean frame, as a change from the reference latent, turned into
+    # the velocity (x1 - x_t) / (1 - t) here, so the noise in x_t cancels exactly instead of having to be copied
+    # through the blocks; "v": the velocity itself (model dirs written before this field existed).
+    predict: str = "x"
 
     @property
     def tokens_per_frame(self) -> int:
@@ -175,7 +179,7 @@ class DiT(nn.Module):
 
         x (B, L, C, h, w) latents (clean where mask is set); t (B, L) flow time per frame, 1 = clean;
         mask (B, L) bool; audio (B, L, audio_dim); ref_lo (B, C, h, w); ref_hi (B, C, 2h, 2w);
-        text (B, Nt, text_dim), Nt may be 0.  Returns v (B, L, C, h, w).
+        text (B, Nt, text_dim), Nt may be 0.  Returns v (B, L, C, h, w) (see `DiTParams.predict`).
         frame_offset: where x's first frame sits in the chunk, for RoPE; a sequence-parallel rank passes
         its shard's start (the other frames are reached through its attention op).
         """
@@ -199,4 +203,9 @@ class DiT(nn.Module):
 
         for block in self.blocks:
             ctx, vid = block(ctx, vid, c_ctx, c_vid, cos, sin)
-        return self.unpatchify(self.final(vid, c_vid))  # (B, L, C, h, w)
+        out = self.unpatchify(self.final(vid, c_vid))  # (B, L, C, h, w)
+        if p.predict == "v":
+            return out
+        x1 = ref_lo[:, None] + out  # (B, L, C, h, w) the clean frames; at init (zero output) the reference
+        # Given frames have t = 1; their velocity is never used (the sampler re-imposes them, the loss skips them).
+        return (x1 - x) / (1.0 - t).clamp(min=0.05)[:, :, None, None, None]  # (B, L, C, h, w)

@@ -44,6 +44,8 @@ class FamilyConfig:
         if unknown:
             raise ValueError(f"unknown config fields: {', '.join(sorted(unknown))}")
         kwargs: dict[str, Any] = {}
+        if isinstance(d.get("dit"), dict) and "predict" not in d["dit"]:
+            d = {**d, "dit": {**d["dit"], "predict": "v"}}  # written before the field existed: a velocity model
         for name, value in d.items():
             if name in sub:
                 kwargs[name] = _build(sub[name], value, name)
@@ -62,6 +64,8 @@ class FamilyConfig:
                              f"{self.low_size // self.vae.downsample}")
         if self.dit.audio_dim != self.audio.dim or self.dit.text_dim != self.text.dim:
             raise ValueError("dit.audio_dim/text_dim must equal audio.dim/text.dim")
+        if self.dit.predict not in ("v", "x"):
+            raise ValueError(f"dit.predict must be 'v' or 'x', got {self.dit.predict!r}")
         if (self.dit.dim // self.dit.heads) % 4:
             raise ValueError("dit head dim must be a multiple of 4 (3-axis RoPE)")
 

@@ -29,6 +29,8 @@ from avatar_cli.train.losses import (decoder_loss, dit_batch, dit_loss, lr_at, n
 from avatar_cli.train.plan import TrainPlan, plan_for
 
 PHASES = ("vae", "cache", "sr", "dit", "decoder", "done")
+# The models that the phases before a phase make (what `--start-from` takes from a model directory).
+MADE_BEFORE = {"cache": ("vae",), "sr": ("vae",), "dit": ("vae", "sr"), "decoder": ("vae", "sr", "dit", "audio", "text")}
 # The modules each phase trains, as "model" or "model.submodule".
 TRAINED = {"vae": ("vae",), "sr": ("sr",), "dit": ("dit", "audio", "text"), "decoder": ("vae.decoder",)}
 
@@ -123,12 +125,14 @@ class Trainer:
         return True
 
     def start_from(self, source: Path, phase: str) -> None:
-        """Begin at `phase` with the weights of a model directory (strict keys; its config must be this size's)."""
+        """Begin at `phase` as a from-scratch run would: with the source directory's weights for what the
+        earlier phases make (strict keys; its config must be this size's), fresh ones for the rest."""
         src = resolve_model(str(source), Path.cwd())
         if src.config != self.cfg:
             raise InputError(f"{source}: its config.json is not the '{self.cfg.size}' size's")
         for name, module in load_modules(src).items():
-            self.models[name].load_state_dict(module.model.float().state_dict(), strict=True)
+            if name in MADE_BEFORE[phase]:
+                self.models[name].load_state_dict(module.model.float().state_dict(), strict=True)
         self.state.update(phase=phase, step=0, start_from=str(source))
         self.save()
 
@@ -202,9 +206,10 @@ class Trainer:
         self.state["latent_scale"] = [round(float(v), 6) for v in s]
 
     def phase_cache(self) -> None:
-        """Encode every training clip once with the final VAE; each clip is its own atomically written file."""
+        """Encode every training clip once with the final VAE; each clip is its own atomically written file.
+        Clips already there are kept, so the SR and DiT phases call this too (a run started at them)."""
         p, vae = self.plan, self.models["vae"].eval()
-        t0 = time.perf_counter()
+        t0, built = time.perf_counter(), 0
         for kind, count, clip_s, build in (("sr", p.sr_clips, p.sr_clip_s, build_sr_clip),
                                            ("dit", p.dit_clips, p.dit_clip_s, build_dit_clip)):
             folder = self.work / "cache" / kind
@@ -213,8 +218,10 @@ class Trainer:
                 path = folder / f"{k:05d}.safetensors"
                 if not path.exists():
                     save_clip(path, build(vae, self.cfg, k, clip_s))
-        self.state["seconds"]["cache"] = self.state["seconds"].get("cache", 0.0) + time.perf_counter() - t0
-        self.log(event="cache_done", seconds=round(time.perf_counter() - t0, 1))
+                    built += 1
+        if built or self.state["phase"] == "cache":
+            self.state["seconds"]["cache"] = self.state["seconds"].get("cache", 0.0) + time.perf_counter() - t0
+            self.log(event="cache_done", clips_built=built, seconds=round(time.perf_counter() - t0, 1))
 
     def cache(self, kind: str, count: int) -> dict[str, torch.Tensor]:
         folder = self.work / "cache" / kind
@@ -222,12 +229,14 @@ class Trainer:
 
     def phase_sr(self) -> None:
         p, sr = self.plan, self.models["sr"]
+        self.phase_cache()
         data = self.cache("sr", p.sr_clips)
         self.run_phase("sr", p.sr_steps, p.sr_share, p.sr_lr,
                        lambda step, rng, gen: sr_batch(data, p, rng), lambda b: sr_loss(sr, b))
 
     def phase_dit(self) -> None:
         p, cfg, m = self.plan, self.cfg, self.models
+        self.phase_cache()
         data = self.cache("dit", p.dit_clips)
         self.run_phase("dit", p.dit_steps, p.dit_share, p.dit_lr,
                        lambda step, rng, gen: dit_batch(data, p, cfg, rng, gen),
