@@ -26,7 +26,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/run.py
 
-# Train the shipped model from scratch (about 80 minutes on 2 CPU cores; resumable).
+# Train the shipped model from scratch (about 90 minutes on 2 CPU cores; resumable).
 train: $(STAMP)
 	$(VENV)/bin/avatar train --out avatar_cli/weights/mini --work train_work
 

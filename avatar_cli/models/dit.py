@@ -208,4 +208,5 @@ class DiT(nn.Module):
             return out
         x1 = ref_lo[:, None] + out  # (B, L, C, h, w) the clean frames; at init (zero output) the reference
         # Given frames have t = 1; their velocity is never used (the sampler re-imposes them, the loss skips them).
-        return (x1 - x) / (1.0 - t).clamp(min=0.05)[:, :, None, None, None]  # (B, L, C, h, w)
+        v = (x1.float() - x.float()) / (1.0 - t.float()).clamp(min=0.05)[:, :, None, None, None]  # (B, L, C, h, w)
+        return v.to(out.dtype)  # the dtype the sampler runs in (t is float32 and would promote it)

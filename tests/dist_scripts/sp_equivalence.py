@@ -1,6 +1,7 @@
 """torchrun --nproc_per_node 2: FSDP2 + Ulysses over the ranks must equal the plain DiT on one rank.
 
-Prints one JSON line on rank 0 with the max abs differences; exits non-zero on any mismatch.
+Prints one JSON line on rank 0 with the max abs differences relative to the largest |output|; exits non-zero
+on any mismatch.
 """
 
 import copy
@@ -17,7 +18,9 @@ from avatar_cli.runtime.parallelize import parallelize_model, reshard_stage
 from avatar_cli.runtime.sequence_parallel import SequenceParallelDiT
 from common import inputs, tiny_dit
 
-TOL = 3e-5  # outputs reach |9|; float32 reduction-order noise is ~6e-6
+# Relative to max |output|: a frame-predicting DiT's velocity divides by 1 - t, so outputs reach |100| near t = 1;
+# float32 reduction-order noise is below 1e-6 of that.
+TOL = 3e-6
 
 
 def gathered(model: torch.nn.Module) -> bool:
@@ -41,7 +44,7 @@ def main() -> int:
             want = plain(*args)  # (1, L, C, h, w)
             for step in range(2):  # a second step: per_stage reuses the parameters it kept gathered
                 got = sharded(*args)
-                diff = (got - want).abs().max().item()
+                diff = (got - want).abs().max().item() / max(want.abs().max().item(), 1.0)
                 results[f"{reshard}/L{frames}/text{nt}/step{step}"] = diff
                 ok &= got.shape == want.shape and diff < TOL
             results[f"L{frames}/out_absmax"] = want.abs().max().item()
