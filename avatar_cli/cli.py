@@ -227,7 +227,8 @@ def train(out: Annotated[Path, typer.Option("--out", help="Model directory to wr
           seed: Annotated[int, typer.Option("--seed")] = 0,
           restart: Annotated[bool, typer.Option("--restart", help="Ignore an existing checkpoint.")] = False,
           start_from: Annotated[Optional[Path], typer.Option(
-              "--start-from", help="Begin with this model directory's weights, at --phase (no checkpoint yet).")] = None,
+              "--start-from", help="Begin at --phase, with what the earlier phases make taken from this model "
+              "directory (ignored when --work holds a checkpoint to resume).")] = None,
           phase: Annotated[str, typer.Option("--phase", help="Phase to begin at with --start-from: "
                                              "cache, sr, dit or decoder.")] = "decoder",
           debug: DebugOpt = False) -> None:

@@ -83,7 +83,7 @@ def test_start_from_checks_size_and_phase(tmp_path):
     with pytest.raises(InputError, match="phase 'vea'"):
         train(tmp_path / "m", size="tiny", work_dir=tmp_path / "w", plan=PLAN, log=lambda e: None,
               start_from=tmp_path, start_phase="vea")
-    assert not (tmp_path / "m").exists()
+    assert not (tmp_path / "m").exists() and not (tmp_path / "w").exists()  # nothing written
 
 
 def test_model_dir_loads_strictly(trained):

@@ -21,7 +21,7 @@ from torch import nn
 from avatar_cli.errors import InputError
 from avatar_cli.models.family import COMPONENTS, SIZES, FamilyConfig
 from avatar_cli.modules.module import Module
-from avatar_cli.modules.registry import load_modules, resolve_model
+from avatar_cli.modules.registry import ModelSource, load_modules, resolve_model
 from avatar_cli.train import checkpoint as ckpt
 from avatar_cli.train.data import VAEFrames, build_dit_clip, downsample, build_sr_clip, load_clips, save_clip
 from avatar_cli.train.losses import (decoder_loss, dit_batch, dit_loss, lr_at, normalize_latents, sr_batch, sr_loss,
@@ -124,16 +124,13 @@ class Trainer:
                 self.opt.load_state_dict(opt_state)
         return True
 
-    def start_from(self, source: Path, phase: str) -> None:
+    def start_from(self, src: ModelSource, phase: str) -> None:
         """Begin at `phase` as a from-scratch run would: with the source directory's weights for what the
-        earlier phases make (strict keys; its config must be this size's), fresh ones for the rest."""
-        src = resolve_model(str(source), Path.cwd())
-        if src.config != self.cfg:
-            raise InputError(f"{source}: its config.json is not the '{self.cfg.size}' size's")
+        earlier phases make, fresh ones for the rest."""
         for name, module in load_modules(src).items():
             if name in MADE_BEFORE[phase]:
                 self.models[name].load_state_dict(module.model.float().state_dict(), strict=True)
-        self.state.update(phase=phase, step=0, start_from=str(source))
+        self.state.update(phase=phase, step=0, start_from=str(src.path))
         self.save()
 
     def next_phase(self, phase: str) -> None:
@@ -281,6 +278,11 @@ def train(out_dir: str | Path, size: str = "mini", work_dir: str | Path | None =
         raise InputError(f"unknown size '{size}' (choose from {', '.join(SIZES)})")
     if start_phase not in PHASES[1:-1]:
         raise InputError(f"unknown phase '{start_phase}' to start at (choose from {', '.join(PHASES[1:-1])})")
+    src = None
+    if start_from is not None:  # checked before anything is written
+        src = resolve_model(str(start_from), Path.cwd())
+        if src.config != SIZES[size]:
+            raise InputError(f"{start_from}: its config.json is not the '{size}' size's")
     out_dir = Path(out_dir)
     work = Path(work_dir) if work_dir is not None else out_dir.with_name(out_dir.name + ".work")
     if not resume:
@@ -290,8 +292,8 @@ def train(out_dir: str | Path, size: str = "mini", work_dir: str | Path | None =
     trainer = Trainer(cfg, plan or plan_for(size), work, budget_minutes * 60.0, seed, log, halt_after_steps)
     if resume and trainer.resume():
         log({"event": "resumed", "phase": trainer.state["phase"], "step": trainer.state["step"]})
-    elif start_from is not None:
-        trainer.start_from(Path(start_from), start_phase)
+    elif src is not None:
+        trainer.start_from(src, start_phase)
         log({"event": "started_from", "model": str(start_from), "phase": start_phase})
     try:
         trainer.run()
