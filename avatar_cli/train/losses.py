@@ -140,6 +140,11 @@ def dit_batch(cache: dict[str, torch.Tensor], plan: TrainPlan, cfg: FamilyConfig
     x1 = cache["lat"][clips[:, None], idx].float()  # (B, L, C, h, w)
     mask = torch.zeros(B, L, dtype=torch.bool)
     mask[:, list(given)] = True
+    # Frames 1-2 away from a given frame are where a chunk must continue the one before: weigh them more.
+    frame_w = torch.ones(L)
+    if given:
+        dist = (torch.arange(L)[:, None] - torch.tensor(given)[None]).abs().min(dim=1).values  # (L,)
+        frame_w[(dist >= 1) & (dist <= 2)] = plan.dit_seam_weight
     # Noise level per sample, on the sampler's shifted schedule (most) or uniform (some).
     sigma = torch.sigmoid(torch.randn(B, generator=gen))
     sigma = plan.shift * sigma / (1 + (plan.shift - 1) * sigma)
@@ -156,7 +161,7 @@ def dit_batch(cache: dict[str, torch.Tensor], plan: TrainPlan, cfg: FamilyConfig
     form = ["both", "both", "expr", "energy", "talk"][int(rng.integers(5))]
     text_ids = None if rng.random() < plan.p_prompt_drop else prompt_ids(cache["labels"][clips], form, rng, cfg.text)
     return {
-        "kind": kind, "xt": xt, "t": t, "mask": mask, "v": x1 - x0,
+        "kind": kind, "xt": xt, "t": t, "mask": mask, "v": x1 - x0, "frame_w": frame_w.expand(B, L),
         "mel": cache["mel"][clips[:, None], idx].float(),  # (B, L, n_mels, mel_frames)
         "audio_keep": torch.rand(B, generator=gen) >= plan.p_audio_drop,  # (B,)
         "ref_lo": cache["ref_lo"][clips].float(), "ref_hi": cache["ref_hi"][clips].float(),
@@ -177,7 +182,7 @@ def dit_loss(dit, audio_enc, text_enc, b: dict, cfg: FamilyConfig, autocast: boo
         v = dit(b["xt"], b["t"], b["mask"], audio, b["ref_lo"], b["ref_hi"], text)  # (B, L, C, h, w)
     weight = mouth_weights(b["xt"].shape[-1], mouth_weight)  # (h, w): lip sync lives in a few latent cells
     err = ((v.float() - b["v"]).pow(2) * weight).mean(dim=(2, 3, 4)) / weight.mean()  # (B, L)
-    free = (~b["mask"]).float()
+    free = (~b["mask"]).float() * b["frame_w"]  # (B, L)
     return (err * free).sum() / free.sum()
 
 

@@ -40,6 +40,7 @@ class TrainPlan:
     p_prompt_drop: float = 0.25
     p_audio_drop: float = 0.1
     dit_mouth_weight: float = 3.0  # extra flow-matching weight on the mouth's latent cells
+    dit_seam_weight: float = 3.0  # loss weight of the 2 frames next to a given frame (where chunks meet)
     cond_noise: float = 0.03  # noise on given frames half of the time: the model learns to trust imperfect ones
     shift: float = 3.0  # training noise levels follow the sampler's shifted schedule
     dit_autocast: bool = True  # bf16 autocast on the DiT (measured ~20% faster on CPU); convs stay fp32
