@@ -46,41 +46,40 @@ def vae_batch(frames: VAEFrames, plan: TrainPlan, cfg: FamilyConfig, step: int, 
     return out
 
 
+def window_l1(vae, z: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, gen: torch.Generator,
+              fast: bool = False) -> torch.Tensor:
+    """Mean weighted L1 of decoding each window: z (W, n + 1, C, h, w) latents, x (W, n + 1, 3, S, S) frames;
+    latent 0 of a window is the decoder's cache. fast: bf16 autocast and channels_last (the decoder polish)."""
+    rec = 0.0
+    for w in range(z.shape[0]):
+        # One window in four starts a timeline (no cache): the decoder's first-chunk path.
+        prev = None if torch.rand((), generator=gen) < 0.25 else z[w, :1]
+        zw = z[w, 1:].contiguous(memory_format=torch.channels_last) if fast else z[w, 1:]  # (n, C, h, w)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=fast):
+            y, _ = vae.decode(zw, prev)  # (n, 3, S, S)
+        rec = rec + ((y.float() - x[w, 1:]).abs() * weight).mean() / weight.mean()
+    return rec / z.shape[0]
+
+
 def vae_loss(vae, batch: dict[int, torch.Tensor], plan: TrainPlan, gen: torch.Generator) -> torch.Tensor:
     total = 0.0
     for side, x in batch.items():
         W, n1 = x.shape[:2]
         mean, logvar = vae.encoder(x.flatten(0, 1))  # (W*n1, C, h, w) each
         z = mean + torch.exp(0.5 * logvar) * torch.randn(mean.shape, generator=gen)  # (W*n1, C, h, w)
-        z = z.unflatten(0, (W, n1))  # (W, n1, C, h, w)
-        weight = mouth_weights(side, plan.mouth_weight)  # (S, S)
-        rec = 0.0
-        for w in range(W):
-            # One window in four starts a timeline (no cache): the decoder's first-chunk path.
-            prev = None if torch.rand((), generator=gen) < 0.25 else z[w, :1]
-            y, _ = vae.decode(z[w, 1:], prev)  # (n, 3, S, S)
-            rec = rec + ((y - x[w, 1:]).abs() * weight).mean() / weight.mean()
+        rec = window_l1(vae, z.unflatten(0, (W, n1)), x, mouth_weights(side, plan.mouth_weight), gen)
         kl = 0.5 * (mean.pow(2) + logvar.exp() - 1.0 - logvar).mean()
-        total = total + rec / W + plan.kl_weight * kl
+        total = total + rec + plan.kl_weight * kl
     return total / len(batch)
 
 
 def decoder_loss(vae, x: torch.Tensor, plan: TrainPlan, gen: torch.Generator) -> torch.Tensor:
     """The decoder polish: x (windows, window + 1, 3, S, S) at the native size. The frozen encoder's mean
     latent is decoded, as the render decodes the SR's latents (no sampling noise)."""
-    W, n1 = x.shape[:2]
-    fast = plan.decoder_autocast
     with torch.no_grad():
         z = vae.encode(x.flatten(0, 1).contiguous(memory_format=torch.channels_last))  # (W*n1, C, h, w)
-    z = z.unflatten(0, (W, n1))  # (W, n1, C, h, w)
-    weight = mouth_weights(x.shape[-1], plan.mouth_weight)  # (S, S)
-    rec = 0.0
-    for w in range(W):
-        prev = None if torch.rand((), generator=gen) < 0.25 else z[w, :1]
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=fast):
-            y, _ = vae.decode(z[w, 1:].contiguous(memory_format=torch.channels_last), prev)  # (n, 3, S, S)
-        rec = rec + ((y.float() - x[w, 1:]).abs() * weight).mean() / weight.mean()
-    return rec / W
+    return window_l1(vae, z.unflatten(0, x.shape[:2]), x, mouth_weights(x.shape[-1], plan.mouth_weight), gen,
+                     fast=plan.decoder_autocast)
 
 
 @torch.no_grad()

@@ -30,7 +30,8 @@ from avatar_cli.train.plan import TrainPlan, plan_for
 
 PHASES = ("vae", "cache", "sr", "dit", "decoder", "done")
 # The models that the phases before a phase make (what `--start-from` takes from a model directory).
-MADE_BEFORE = {"cache": ("vae",), "sr": ("vae",), "dit": ("vae", "sr"), "decoder": ("vae", "sr", "dit", "audio", "text")}
+MADE_BEFORE = {"cache": ("vae",), "sr": ("vae",), "dit": ("vae", "sr"),
+               "decoder": ("vae", "sr", "dit", "audio", "text")}
 # The modules each phase trains, as "model" or "model.submodule".
 TRAINED = {"vae": ("vae",), "sr": ("sr",), "dit": ("dit", "audio", "text"), "decoder": ("vae.decoder",)}
 
@@ -270,9 +271,10 @@ def train(out_dir: str | Path, size: str = "mini", work_dir: str | Path | None =
     work_dir holds the checkpoint, the latent cache and train_log.jsonl (default: `<out_dir>.work`).
     resume: continue from work_dir's checkpoint when there is one (False: start over, clearing it).
     halt_after_steps: stop (checkpointed) after this many optimizer steps in this call, as a kill would;
-    returns None then.
-    start_from: a model directory whose weights the run starts with, at phase `start_phase` (e.g. to re-run the
-    decoder polish on trained weights); ignored when work_dir holds a checkpoint to resume. Otherwise returns the summary that is also written to work_dir/summary.json.
+    returns None then. Otherwise returns the summary that is also written to work_dir/summary.json.
+    start_from: a model directory to begin with, at phase `start_phase`: what the earlier phases make is taken
+    from it, the rest starts fresh (e.g. to re-run the decoder polish on trained weights); ignored when work_dir
+    holds a checkpoint to resume.
     """
     if size not in SIZES:
         raise InputError(f"unknown size '{size}' (choose from {', '.join(SIZES)})")
