@@ -160,6 +160,88 @@ def test_config_written_before_predict_existed_loads_as_a_velocity_model(tmp_pat
         FamilyConfig.from_dict(d).check()
 
 
+def test_config_written_before_near_given_existed_loads_without_it():
+    d = json.loads(SIZES["mini"].to_json())
+    assert d["dit"]["near_given"] is True
+    del d["dit"]["near_given"], d["dit"]["max_gap"]
+    old = FamilyConfig.from_dict(d)
+    assert old.dit.near_given is False
+    assert not any(k.startswith(("left_in", "gap_left")) for k in COMPONENTS["dit"][1](old.dit).state_dict())
+
+
+def test_nearest_given_finds_the_given_frame_on_each_side_and_its_distance():
+    from avatar_cli.models.dit import nearest_given
+
+    L = 9
+    x = torch.arange(L, dtype=torch.float32).view(1, L, 1, 1, 1).expand(2, L, 1, 2, 2) + 1  # frame j holds j + 1
+    mask = torch.zeros(2, L, dtype=torch.bool)
+    mask[0, :2] = True  # an N chunk: motion frames 0, 1
+    mask[1, [0, 7]] = True  # an I chunk: anchors 0 and 7 (frame 8 lies past the second anchor)
+    left, right, gl, gr = nearest_given(x, mask, max_gap=4)
+    assert left[0, :, 0, 0, 0].tolist() == [1, 2, 2, 2, 2, 2, 2, 2, 2]
+    assert gl[0].tolist() == [0, 0, 1, 2, 3, 4, 4, 4, 4]  # clamped at max_gap
+    assert right[0, 2:].abs().sum() == 0 and gr[0, 2:].tolist() == [4] * 7  # nothing given after frame 1
+    assert left[1, :, 0, 0, 0].tolist() == [1, 1, 1, 1, 1, 1, 1, 8, 8]
+    assert right[1, :, 0, 0, 0].tolist() == [1, 8, 8, 8, 8, 8, 8, 8, 0]
+    assert gr[1].tolist() == [0, 4, 4, 4, 3, 2, 1, 0, 4] and gl[1].tolist() == [0, 1, 2, 3, 4, 4, 4, 0, 1]
+
+
+def test_dit_frames_next_to_a_given_frame_see_it_at_the_same_place():
+    """near_given: with attention cut off, changing the last motion frame still changes the frames after it;
+    without near_given nothing reaches them."""
+    from dataclasses import replace
+
+    p = SIZES["tiny"].dit
+    L, C, n = 5, p.latent_channels, p.latent_size
+    mask = torch.zeros(1, L, dtype=torch.bool)
+    mask[0, :2] = True
+    args = dict(x=torch.randn(1, L, C, n, n), t=torch.where(mask, 1.0, 0.5), mask=mask,
+                audio=torch.randn(1, L, p.audio_dim), ref_lo=torch.randn(1, C, n, n),
+                ref_hi=torch.randn(1, C, 2 * n, 2 * n), text=torch.randn(1, 2, p.text_dim))
+    x2 = args["x"].clone()
+    x2[0, 1] += 1.0  # the last motion frame
+    changed = {}
+    for near in (True, False):
+        dit = COMPONENTS["dit"][1](replace(p, near_given=near))
+        dit.init_weights(torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            for m in dit.modules():  # give the zero-initialised gates and output some weight
+                if isinstance(m, torch.nn.Linear) and not m.weight.any():
+                    m.weight.normal_(0, 0.1)
+            for block in dit.blocks:
+                block.attn.attn_op = lambda q, k, v: v  # no mixing between tokens: only per-token paths remain
+            changed[near] = (dit(**dict(args, x=x2)) - dit(**args))[0, 2:].abs().mean(dim=(1, 2, 3))  # (3,)
+    assert (changed[True] > 1e-3).all()
+    assert (changed[False] == 0).all()
+
+
+def test_dit_at_init_continues_the_given_frames_and_forgets_them_past_max_gap():
+    """predict="x" + near_given, zero output: frame j's clean estimate is the reference moved toward the nearest
+    given frames by 0.85^distance (shared to 1 between two anchors), and exactly the reference from max_gap on."""
+    p = SIZES["tiny"].dit
+    L, C, n = 12, p.latent_channels, p.latent_size
+    dit = COMPONENTS["dit"][1](p)
+    dit.init_weights(torch.Generator().manual_seed(0))
+    ref = torch.randn(1, C, n, n)
+    x = torch.randn(2, L, C, n, n)
+    mask = torch.zeros(2, L, dtype=torch.bool)
+    mask[0, :2] = True  # N chunk
+    mask[1, [0, 7]] = True  # I chunk
+    t = torch.where(mask, 1.0, 0.5)
+    with torch.no_grad():
+        v = dit(x, t, mask, torch.randn(2, L, p.audio_dim), ref.expand(2, -1, -1, -1),
+                torch.randn(2, C, 2 * n, 2 * n), torch.randn(2, 0, p.text_dim))
+    x1 = x + 0.5 * v  # (2, L, C, n, n) the clean estimate of the free frames
+    r = ref[0]
+    torch.testing.assert_close(x1[0, 2], r + 0.85 * (x[0, 1] - r), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(x1[0, 4], r + 0.85 ** 3 * (x[0, 1] - r), rtol=1e-4, atol=1e-4)
+    assert p.max_gap + 1 < L
+    torch.testing.assert_close(x1[0, p.max_gap + 1:], r.expand(L - p.max_gap - 1, -1, -1, -1), rtol=1e-5, atol=1e-5)
+    wl, wr = 0.85, 0.85 ** 6  # frame 1 of the I chunk: 1 from anchor 0, 6 from anchor 1
+    expect = r + (wl * (x[1, 0] - r) + wr * (x[1, 7] - r)) / (wl + wr)
+    torch.testing.assert_close(x1[1, 1], expect, rtol=1e-4, atol=1e-4)
+
+
 def test_prompt_words_outside_the_vocabulary_are_ignored():
     from avatar_cli.models.text import TextParams, tokenize
 

@@ -33,10 +33,41 @@ class DiTParams:
     # the velocity (x1 - x_t) / (1 - t) here, so the noise in x_t cancels exactly instead of having to be copied
     # through the blocks; "v": the velocity itself (model dirs written before this field existed).
     predict: str = "x"
+    # Frames near a given one (motion frames, I-chunk anchors) continue it: each frame's tokens carry the nearest
+    # given frame on either side at the same place, its modulation how far away they are, and with
+    # predict="x" the clean frame is predicted as a change from the reference latent blended toward those
+    # given frames by a learned weight per distance (zero from max_gap on, so chunks never compound through
+    # it). Without this the DiT ignored its motion frames: its first frame was as far from the truth as its
+    # last. Model dirs written before the field existed load with False.
+    near_given: bool = True
+    max_gap: int = 8  # distances told apart up to here; farther (or none) is one class, with blend weight 0
 
     @property
     def tokens_per_frame(self) -> int:
         return (self.latent_size // self.patch) ** 2
+
+
+def nearest_given(x: torch.Tensor, mask: torch.Tensor, max_gap: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The given frame at or before / at or after each frame, and how far away it is.
+
+    x (B, L, C, h, w); mask (B, L) bool. Returns left, right (B, L, C, h, w), zeros where there is none, and
+    gap_left, gap_right (B, L) long in [0, max_gap], max_gap where there is none or it is farther.
+    """
+    B, L = mask.shape
+    pos = torch.arange(L, device=mask.device).expand(B, L)  # (B, L)
+    left = torch.where(mask, pos, -1).cummax(dim=1).values  # (B, L) index of the last given frame <= j, or -1
+    right = torch.where(mask, pos, L).flip(1).cummin(dim=1).values.flip(1)  # (B, L) first given >= j, or L
+    rows = torch.arange(B, device=mask.device)[:, None]  # (B, 1)
+
+    def pick(idx: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        z = x[rows, idx.clamp(0, L - 1)]  # (B, L, C, h, w)
+        return z * valid[:, :, None, None, None].to(z.dtype)
+
+    has_l, has_r = left >= 0, right < L  # (B, L)
+    gap_l = torch.where(has_l, pos - left, max_gap).clamp(max=max_gap)  # (B, L)
+    gap_r = torch.where(has_r, right - pos, max_gap).clamp(max=max_gap)  # (B, L)
+    return pick(left, has_l), pick(right, has_r), gap_l, gap_r
 
 
 # q, k, v (B, H, N, Dh) -> (B, H, N, Dh). Sequence parallelism swaps in its own (runtime/sequence_parallel.py).
@@ -121,6 +152,12 @@ class DiT(nn.Module):
         # does): expression and motion energy are global to a frame, which modulation expresses directly.
         self.text_pool = MLPEmbedder(p.text_dim, d)
         self.mask_embed = nn.Embedding(2, d)
+        if p.near_given:
+            self.left_in = nn.Linear(p.patch * p.patch * c, d)
+            self.right_in = nn.Linear(p.patch * p.patch * c, d)
+            self.gap_left = nn.Embedding(p.max_gap + 1, d)
+            self.gap_right = nn.Embedding(p.max_gap + 1, d)
+            self.near_logit = nn.Parameter(torch.zeros(p.max_gap))  # blend weight logit per distance 0..max_gap-1
         self.ctx_cond = nn.Parameter(torch.zeros(1, 1, d))
         self.blocks = nn.ModuleList([DiTBlock(p) for _ in range(p.depth)])
         self.final = FinalLayer(p)
@@ -136,6 +173,10 @@ class DiT(nn.Module):
             elif isinstance(m, nn.RMSNorm):
                 nn.init.ones_(m.weight)
         nn.init.normal_(self.ctx_cond, std=0.02, generator=generator)
+        if self.params.near_given:  # start from weight 0.85^distance: a frame beside a given one is mostly it
+            w = (0.85 ** torch.arange(self.params.max_gap, dtype=torch.float32)).clamp(max=0.99)
+            with torch.no_grad():
+                self.near_logit.copy_(torch.log(w / (1 - w)))
         for block in self.blocks:
             nn.init.zeros_(block.ada.weight)
             nn.init.zeros_(block.ada.bias)
@@ -173,15 +214,27 @@ class DiT(nn.Module):
         ones = torch.ones(n_ctx, head_dim // 2, device=device)
         return torch.cat([ones, cos]), torch.cat([ones * 0, sin])
 
+    def near_blend(self, left: torch.Tensor, right: torch.Tensor, gap_l: torch.Tensor, gap_r: torch.Tensor,
+                   ref_lo: torch.Tensor) -> torch.Tensor:
+        """How far each frame's base moves from the reference toward its nearest given frames. -> (B, L, C, h, w)"""
+        w = torch.cat([torch.sigmoid(self.near_logit), self.near_logit.new_zeros(1)])  # (max_gap + 1,) last: none
+        wl, wr = w[gap_l], w[gap_r]  # (B, L) each
+        norm = (wl + wr).clamp(min=1.0)  # between two anchors the weights share 1
+        wl, wr = (wl / norm)[:, :, None, None, None], (wr / norm)[:, :, None, None, None]
+        ref = ref_lo[:, None]  # (B, 1, C, h, w)
+        return (wl * (left - ref) + wr * (right - ref)).to(left.dtype)
+
     def forward(self, x: torch.Tensor, t: torch.Tensor, mask: torch.Tensor, audio: torch.Tensor,
-                ref_lo: torch.Tensor, ref_hi: torch.Tensor, text: torch.Tensor, frame_offset: int = 0) -> torch.Tensor:
+                ref_lo: torch.Tensor, ref_hi: torch.Tensor, text: torch.Tensor, frame_offset: int = 0,
+                near: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
         """Predict the flow velocity of every frame.
 
         x (B, L, C, h, w) latents (clean where mask is set); t (B, L) flow time per frame, 1 = clean;
         mask (B, L) bool; audio (B, L, audio_dim); ref_lo (B, C, h, w); ref_hi (B, C, 2h, 2w);
         text (B, Nt, text_dim), Nt may be 0.  Returns v (B, L, C, h, w) (see `DiTParams.predict`).
         frame_offset: where x's first frame sits in the chunk, for RoPE; a sequence-parallel rank passes
-        its shard's start (the other frames are reached through its attention op).
+        its shard's start (the other frames are reached through its attention op), and `near`: its shard of
+        `nearest_given` over the whole chunk (computed here from x and mask when None).
         """
         p = self.params
         B, L = x.shape[:2]
@@ -193,11 +246,19 @@ class DiT(nn.Module):
             self.ref_hi_embed(self.patchify(ref_hi, p.ref_hi_patch)),  # (B, P', D)
         ], dim=1)  # (B, Nc, D)
 
+        base = ref_lo[:, None]  # (B, 1, C, h, w) what the output is a change from (predict="x")
+        if p.near_given:
+            left, right, gap_l, gap_r = near if near is not None else nearest_given(x, mask, p.max_gap)
+            base = base + self.near_blend(left, right, gap_l, gap_r, ref_lo)  # (B, L, C, h, w)
+            vid = vid + self.left_in(self.patchify(left, p.patch)) + self.right_in(self.patchify(right, p.patch))
         pooled = text.mean(dim=1) if text.shape[1] else text.new_zeros(B, p.text_dim)  # (B, text_dim)
         c_vid = (self.t_embed(timestep_embedding(t, 256).to(x.dtype))
                  + self.audio_embed(audio)
                  + self.text_pool(pooled)[:, None]
-                 + self.mask_embed(mask.long()))[:, :, None]  # (B, L, 1, D)
+                 + self.mask_embed(mask.long()))  # (B, L, D)
+        if p.near_given:
+            c_vid = c_vid + self.gap_left(gap_l) + self.gap_right(gap_r)  # (B, L, D)
+        c_vid = c_vid[:, :, None]  # (B, L, 1, D)
         c_ctx = self.ctx_cond.to(x.dtype).expand(B, -1, -1)  # (B, 1, D)
         cos, sin = self.rope(ctx.shape[1], L, x.device, frame_offset)
 
@@ -206,7 +267,7 @@ class DiT(nn.Module):
         out = self.unpatchify(self.final(vid, c_vid))  # (B, L, C, h, w)
         if p.predict == "v":
             return out
-        x1 = ref_lo[:, None] + out  # (B, L, C, h, w) the clean frames; at init (zero output) the reference
+        x1 = base + out  # (B, L, C, h, w) the clean frames; at init (zero output) the reference
         # Given frames have t = 1; their velocity is never used (the sampler re-imposes them, the loss skips them).
         v = (x1.float() - x.float()) / (1.0 - t.float()).clamp(min=0.05)[:, :, None, None, None]  # (B, L, C, h, w)
         return v.to(out.dtype)  # the dtype the sampler runs in (t is float32 and would promote it)

@@ -46,6 +46,8 @@ class FamilyConfig:
         kwargs: dict[str, Any] = {}
         if isinstance(d.get("dit"), dict) and "predict" not in d["dit"]:
             d = {**d, "dit": {**d["dit"], "predict": "v"}}  # written before the field existed: a velocity model
+        if isinstance(d.get("dit"), dict) and "near_given" not in d["dit"]:
+            d = {**d, "dit": {**d["dit"], "near_given": False}}  # written before the field existed
         for name, value in d.items():
             if name in sub:
                 kwargs[name] = _build(sub[name], value, name)
@@ -66,6 +68,8 @@ class FamilyConfig:
             raise ValueError("dit.audio_dim/text_dim must equal audio.dim/text.dim")
         if self.dit.predict not in ("v", "x"):
             raise ValueError(f"dit.predict must be 'v' or 'x', got {self.dit.predict!r}")
+        if self.dit.max_gap < 1:
+            raise ValueError(f"dit.max_gap must be >= 1, got {self.dit.max_gap}")
         if (self.dit.dim // self.dit.heads) % 4:
             raise ValueError("dit head dim must be a multiple of 4 (3-axis RoPE)")
 

@@ -24,6 +24,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from avatar_cli.models.dit import nearest_given
+
 
 def check_degree(heads: int, degree: int) -> None:
     """Fail at start, not mid-render: Ulysses gives each rank heads/degree whole heads."""
@@ -117,9 +119,13 @@ class SequenceParallelDiT(nn.Module):
 
         self.op.layout = ShardLayout(vid_tokens=ls * self.params.tokens_per_frame,
                                      pad_tokens=pad * self.params.tokens_per_frame)
+        # The nearest given frames are found over the whole chunk, then sharded like everything per frame.
+        near = None
+        if self.params.near_given:
+            near = tuple(local(n) for n in nearest_given(x, mask, self.params.max_gap))
         try:
             v = self.dit(local(x), local(t), local(mask), local(audio), ref_lo, ref_hi, text,
-                         frame_offset=r * ls)  # (B, ls, C, h, w)
+                         frame_offset=r * ls, near=near)  # (B, ls, C, h, w)
         finally:
             self.op.layout = None
         parts = [torch.empty_like(v) for _ in range(W)]  # W x (B, ls, C, h, w)
