@@ -33,12 +33,26 @@ def test_drift_ratio_flags_a_face_that_fades():
 def test_seam_ratio_sees_jumps_at_chunk_boundaries():
     rng = np.random.default_rng(0)
     smooth = np.cumsum(rng.normal(0, 1, (96, 8, 8, 3)), axis=0)
-    assert M.seam_ratio(M.frame_changes(np.clip(smooth + 128, 0, 255)), 24) < 1.3
+    n_seams = [24, 48, 72]
+    assert M.seam_ratio(M.frame_changes(np.clip(smooth + 128, 0, 255)), n_seams) < 1.3
     jumpy = smooth.copy()
     for k in range(1, 4):
         jumpy[24 * k:] += 20.0 * (-1) ** k
-    ratio = M.seam_ratio(M.frame_changes(np.clip(jumpy + 128, 0, 255)), 24)
+    ratio = M.seam_ratio(M.frame_changes(np.clip(jumpy + 128, 0, 255)), n_seams)
     assert ratio > 3.0, ratio
+    # A jump where an I chunk hands back to its N chunk counts too, once its boundary is listed.
+    late = smooth.copy()
+    late[30:] += 20.0
+    assert M.seam_ratio(M.frame_changes(np.clip(late + 128, 0, 255)), n_seams) < 1.3
+    assert M.seam_ratio(M.frame_changes(np.clip(late + 128, 0, 255)), n_seams + [30]) > 2.0
+
+
+def test_chunk_boundaries_are_where_the_output_changes_chunk():
+    from avatar_cli.pipeline.schedule import plan
+
+    assert M.chunk_boundaries(plan(80, 24, 4, False, 6)) == [24, 48, 72]
+    # With I chunks: into I(k-1) at kF, and back into N(k) after its 6 frames.
+    assert M.chunk_boundaries(plan(80, 24, 4, True, 6)) == [24, 30, 48, 54, 72, 78]
 
 
 def test_psnr_and_direction():

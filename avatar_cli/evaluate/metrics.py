@@ -59,13 +59,21 @@ def frame_changes(frames: torch.Tensor | np.ndarray) -> np.ndarray:
     return (f[1:] - f[:-1]).abs().mean(dim=(1, 2, 3)).numpy()
 
 
-def seam_ratio(changes: np.ndarray, chunk_frames: int) -> float:
-    """Mean change across N-chunk boundaries (frame kF-1 -> kF) vs the mean change inside chunks."""
-    idx = np.arange(len(changes))
-    at_seam = (idx + 1) % chunk_frames == 0  # change i goes from frame i to i + 1
+def seam_ratio(changes: np.ndarray, boundaries: list[int]) -> float:
+    """Mean change into the frames where the output passes from one chunk to the next (`boundaries`: timeline
+    frame indices, see `chunk_boundaries`) vs the mean change everywhere else."""
+    at_seam = np.zeros(len(changes), dtype=bool)
+    b = np.asarray([i for i in boundaries if 0 < i <= len(changes)], dtype=np.int64)
+    at_seam[b - 1] = True  # change i goes from frame i to i + 1
     if not at_seam.any() or at_seam.all():
         return float("nan")
     return float(changes[at_seam].mean() / max(changes[~at_seam].mean(), 1e-6))
+
+
+def chunk_boundaries(chunks) -> list[int]:
+    """Timeline frames whose output comes from a different chunk than the frame before: every kept range's
+    start, so with I chunks both ends of each I chunk (into it from N(k-1), out of it into N(k))."""
+    return sorted({c.keep[0] for c in chunks if c.keep[0] > 0 and c.keep[1] > c.keep[0]})
 
 
 def psnr(x: torch.Tensor, y: torch.Tensor) -> float:
