@@ -217,7 +217,8 @@ def test_dit_frames_next_to_a_given_frame_see_it_at_the_same_place():
 
 def test_dit_at_init_continues_the_given_frames_and_forgets_them_past_max_gap():
     """predict="x" + near_given, zero output: frame j's clean estimate is the reference moved toward the nearest
-    given frames by 0.85^distance (shared to 1 between two anchors), and exactly the reference from max_gap on."""
+    given frames by 0.9^d (1 - d / max_gap) at distance d (shared to 1 between two anchors), and exactly the
+    reference from max_gap on."""
     p = SIZES["tiny"].dit
     L, C, n = 12, p.latent_channels, p.latent_size
     dit = COMPONENTS["dit"][1](p)
@@ -233,13 +234,24 @@ def test_dit_at_init_continues_the_given_frames_and_forgets_them_past_max_gap():
                 torch.randn(2, C, 2 * n, 2 * n), torch.randn(2, 0, p.text_dim))
     x1 = x + 0.5 * v  # (2, L, C, n, n) the clean estimate of the free frames
     r = ref[0]
-    torch.testing.assert_close(x1[0, 2], r + 0.85 * (x[0, 1] - r), rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(x1[0, 4], r + 0.85 ** 3 * (x[0, 1] - r), rtol=1e-4, atol=1e-4)
+    def w(d: int) -> float:
+        return 0.9 ** d * (1 - d / p.max_gap)
+
+    torch.testing.assert_close(x1[0, 2], r + w(1) * (x[0, 1] - r), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(x1[0, 4], r + w(3) * (x[0, 1] - r), rtol=1e-4, atol=1e-4)
     assert p.max_gap + 1 < L
     torch.testing.assert_close(x1[0, p.max_gap + 1:], r.expand(L - p.max_gap - 1, -1, -1, -1), rtol=1e-5, atol=1e-5)
-    wl, wr = 0.85, 0.85 ** 6  # frame 1 of the I chunk: 1 from anchor 0, 6 from anchor 1
-    expect = r + (wl * (x[1, 0] - r) + wr * (x[1, 7] - r)) / (wl + wr)
-    torch.testing.assert_close(x1[1, 1], expect, rtol=1e-4, atol=1e-4)
+    wl, wr = w(1), w(6)  # frame 1 of the I chunk: 1 from anchor 0, 6 from anchor 1
+    torch.testing.assert_close(x1[1, 1], r + wl * (x[1, 0] - r) + wr * (x[1, 7] - r), rtol=1e-4, atol=1e-4)
+    # Between anchors 2 apart the weights (2 w(1) > 1) are shared to 1: the midpoint of the anchors.
+    mask2 = torch.zeros(1, 3, dtype=torch.bool)
+    mask2[0, [0, 2]] = True
+    x_2 = x[1:, :3]
+    with torch.no_grad():
+        v2 = dit(x_2, torch.where(mask2, 1.0, 0.5), mask2, torch.randn(1, 3, p.audio_dim), ref,
+                 torch.randn(1, C, 2 * n, 2 * n), torch.randn(1, 0, p.text_dim))
+    expect = (x_2[0, 0] + x_2[0, 2]) / 2
+    torch.testing.assert_close((x_2 + 0.5 * v2)[0, 1], expect, rtol=1e-4, atol=1e-4)
 
 
 def test_prompt_words_outside_the_vocabulary_are_ignored():

@@ -36,8 +36,8 @@ class DiTParams:
     # Frames near a given one (motion frames, I-chunk anchors) continue it: each frame's tokens carry the nearest
     # given frame on either side at the same place, its modulation how far away they are, and with
     # predict="x" the clean frame is predicted as a change from the reference latent blended toward those
-    # given frames by a learned weight per distance (zero from max_gap on, so chunks never compound through
-    # it). Without this the DiT ignored its motion frames: its first frame was as far from the truth as its
+    # given frames by a learned weight per distance, tapered to zero at max_gap (a cut-off step showed as a
+    # jump 8 frames into each chunk; zero so chunks never compound through it). Without this the DiT ignored its motion frames: its first frame was as far from the truth as its
     # last. Model dirs written before the field existed load with False.
     near_given: bool = True
     max_gap: int = 8  # distances told apart up to here; farther (or none) is one class, with blend weight 0
@@ -173,8 +173,8 @@ class DiT(nn.Module):
             elif isinstance(m, nn.RMSNorm):
                 nn.init.ones_(m.weight)
         nn.init.normal_(self.ctx_cond, std=0.02, generator=generator)
-        if self.params.near_given:  # start from weight 0.85^distance: a frame beside a given one is mostly it
-            w = (0.85 ** torch.arange(self.params.max_gap, dtype=torch.float32)).clamp(max=0.99)
+        if self.params.near_given:  # start from 0.9^distance before the taper: a frame beside a given one is mostly it
+            w = (0.9 ** torch.arange(self.params.max_gap, dtype=torch.float32)).clamp(max=0.99)
             with torch.no_grad():
                 self.near_logit.copy_(torch.log(w / (1 - w)))
         for block in self.blocks:
@@ -217,7 +217,9 @@ class DiT(nn.Module):
     def near_blend(self, left: torch.Tensor, right: torch.Tensor, gap_l: torch.Tensor, gap_r: torch.Tensor,
                    ref_lo: torch.Tensor) -> torch.Tensor:
         """How far each frame's base moves from the reference toward its nearest given frames. -> (B, L, C, h, w)"""
-        w = torch.cat([torch.sigmoid(self.near_logit), self.near_logit.new_zeros(1)])  # (max_gap + 1,) last: none
+        g = self.params.max_gap
+        taper = 1.0 - torch.arange(g, device=self.near_logit.device) / g  # (max_gap,) to zero at max_gap
+        w = torch.cat([torch.sigmoid(self.near_logit) * taper, self.near_logit.new_zeros(1)])  # (max_gap + 1,)
         wl, wr = w[gap_l], w[gap_r]  # (B, L) each
         norm = (wl + wr).clamp(min=1.0)  # between two anchors the weights share 1
         wl, wr = (wl / norm)[:, :, None, None, None], (wr / norm)[:, :, None, None, None]
