@@ -8,7 +8,7 @@ class TrainPlan:
     # Steps per phase. A phase also ends when its share of the time budget is spent (whichever comes first).
     vae_steps: int = 1500
     sr_steps: int = 1500
-    dit_steps: int = 3400
+    dit_steps: int = 4400
     decoder_steps: int = 3000
     # Shares of the budget; the latent cache is built between the VAE and SR phases out of the remainder.
     vae_share: float = 0.315
