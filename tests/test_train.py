@@ -111,6 +111,15 @@ def test_halted_run_resumes_to_the_same_weights(trained, tmp_path):
             torch.testing.assert_close(va, vb, rtol=1e-5, atol=1e-6, msg=f"{name}.{k}")
 
 
+def test_a_phase_never_runs_past_the_whole_budget():
+    from avatar_cli.train.trainer import phase_budget
+
+    assert phase_budget(0.1, 100.0, {"vae": 30.0}, "decoder") == 10.0  # its share
+    assert phase_budget(0.1, 100.0, {"vae": 30.0, "cache": 25.0, "dit": 40.0}, "decoder") == 5.0  # what is left
+    assert phase_budget(0.1, 100.0, {"vae": 60.0, "dit": 45.0}, "decoder") < 0  # none left: no steps
+    assert phase_budget(0.5, 100.0, {"vae": 30.0, "dit": 20.0}, "dit") == 50.0  # its own time is not "elsewhere"
+
+
 def test_training_seeds_stay_in_the_training_range():
     for kind in ("vae", "sr", "dit"):
         for k in (0, 999):

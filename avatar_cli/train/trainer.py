@@ -149,10 +149,10 @@ class Trainer:
             m.train()
         if self.opt is None:
             self.opt = self.make_opt(phase, lr)
-        budget = share * self.budget_s
+        seconds = self.state["seconds"]
+        budget = phase_budget(share, self.budget_s, seconds, phase)
         if self.state["step"] == 0 and phase not in self.state["probe"]:
             self.state["probe"][phase] = {"before": self.probe(batch_fn, loss_fn)}
-        seconds = self.state["seconds"]
         while self.state["step"] < steps and seconds.get(phase, 0.0) < budget:
             step = self.state["step"]
             t0 = time.perf_counter()
@@ -259,6 +259,13 @@ class Trainer:
             phase = self.state["phase"]
             actions[phase]()
             self.next_phase(PHASES[PHASES.index(phase) + 1])
+
+
+def phase_budget(share: float, budget_s: float, seconds: dict[str, float], phase: str) -> float:
+    """Seconds of step time a phase may spend: its share of the budget, but never past the whole budget once
+    the other phases' time (the fixed-size latent cache included) is counted."""
+    spent_elsewhere = sum(v for k, v in seconds.items() if k != phase)
+    return min(share * budget_s, budget_s - spent_elsewhere)
 
 
 def train(out_dir: str | Path, size: str = "mini", work_dir: str | Path | None = None, budget_minutes: float = 90.0,
