@@ -231,13 +231,14 @@ def train(out: Annotated[Path, typer.Option("--out", help="Model directory to wr
               "directory (ignored when --work holds a checkpoint to resume).")] = None,
           phase: Annotated[str, typer.Option("--phase", help="Phase to begin at with --start-from: "
                                              "cache, sr, dit or decoder.")] = "decoder",
+          device: Annotated[str, typer.Option("--device", help="auto (CUDA when there is one), cpu or cuda.")] = "auto",
           debug: DebugOpt = False) -> None:
     """Train a model family on procedurally generated talking heads (see avatar_cli/train/MODEL_CARD.md)."""
     def action(reporter):
         from avatar_cli.train import train as run_train
 
         run_train(out, size, work, budget_minutes, seed, resume=not restart, start_from=start_from,
-                  start_phase=phase)
+                  start_phase=phase, device=device)
 
     _run(action, False, debug)
 

@@ -86,6 +86,29 @@ def test_start_from_checks_size_and_phase(tmp_path):
     assert not (tmp_path / "m").exists() and not (tmp_path / "w").exists()  # nothing written
 
 
+def test_device_is_checked_before_anything_is_written(tmp_path):
+    with pytest.raises(InputError, match="device 'tpu'"):
+        train(tmp_path / "m", size="tiny", work_dir=tmp_path / "w", plan=PLAN, log=lambda e: None, device="tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(InputError, match="no CUDA device"):
+            train(tmp_path / "m", size="tiny", work_dir=tmp_path / "w", plan=PLAN, log=lambda e: None,
+                  device="cuda")
+    assert not (tmp_path / "m").exists() and not (tmp_path / "w").exists()
+
+
+def test_batches_follow_the_models_device():
+    from avatar_cli.train.trainer import pick_device, to_device
+
+    dev = pick_device("auto")
+    assert dev.type == ("cuda" if torch.cuda.is_available() else "cpu")
+    batch = {"x": torch.zeros(2), "pair": (torch.ones(1), torch.Generator()), "kind": "N", "none": None,
+             "list": [torch.zeros(1)]}
+    moved = to_device(batch, torch.device("meta"))  # a device other than the one the batch was made on
+    assert moved["x"].device.type == "meta" and moved["pair"][0].device.type == "meta"
+    assert isinstance(moved["pair"], tuple) and moved["pair"][1] is batch["pair"][1]
+    assert moved["kind"] == "N" and moved["none"] is None and moved["list"][0].device.type == "meta"
+
+
 def test_model_dir_loads_strictly(trained):
     base, _ = trained
     source = resolve_model(str(base / "model"), Path("/"))

@@ -20,14 +20,14 @@ CKPT = "train_ckpt.safetensors"
 
 
 def save(work_dir: Path, models: dict[str, nn.Module], opt: torch.optim.Optimizer | None, state: dict) -> None:
-    tensors = {f"model.{name}.{k}": v.detach().contiguous() for name, m in models.items()
+    tensors = {f"model.{name}.{k}": v.detach().cpu().contiguous() for name, m in models.items()
                for k, v in m.state_dict().items()}
     groups = None
     if opt is not None:
         sd = opt.state_dict()
         for idx, st in sd["state"].items():
             for key, v in st.items():
-                tensors[f"opt.{idx}.{key}"] = torch.as_tensor(v).detach().clone().contiguous()
+                tensors[f"opt.{idx}.{key}"] = torch.as_tensor(v).detach().cpu().clone().contiguous()
         groups = sd["param_groups"]
     meta = {"state": json.dumps(state), "param_groups": json.dumps(groups)}
     work_dir.mkdir(parents=True, exist_ok=True)

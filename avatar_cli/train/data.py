@@ -84,12 +84,14 @@ class VAEFrames:
 def encode_reference(vae: VAE, reference: np.ndarray, low_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """uint8 (S, S, 3) -> (ref_lo (1, C, h, w), ref_hi (1, C, 2h, 2w)), as `ReferenceEncode` does."""
     x = to_unit(torch.from_numpy(np.ascontiguousarray(reference))[None])  # (1, 3, S, S)
-    return vae.encode(downsample(x, low_size)), vae.encode(x)
+    return _encode(vae, downsample(x, low_size)), _encode(vae, x)
 
 
 @torch.no_grad()
 def _encode(vae: VAE, x: torch.Tensor, batch: int = 32) -> torch.Tensor:
-    return torch.cat([vae.encode(x[i:i + batch]) for i in range(0, x.shape[0], batch)])
+    """Latent means of CPU frames, encoded on the VAE's device, returned on the CPU (the cache lives there)."""
+    dev = next(vae.parameters()).device
+    return torch.cat([vae.encode(x[i:i + batch].to(dev)).cpu() for i in range(0, x.shape[0], batch)])
 
 
 @torch.no_grad()

@@ -19,9 +19,9 @@ def step_rngs(seed: int, phase: str, step: int) -> tuple[np.random.Generator, to
     return rng, torch.Generator().manual_seed(int(rng.integers(2**62)))
 
 
-def mouth_weights(side: int, extra: float) -> torch.Tensor:
+def mouth_weights(side: int, extra: float, device: torch.device | str = "cpu") -> torch.Tensor:
     """(side, side) loss weights: 1, plus `extra` in the window the lip-sync meter reads."""
-    weight = torch.ones(side, side)
+    weight = torch.ones(side, side, device=device)
     rows, cols = mouth_box(side)
     weight[rows, cols] += extra
     return weight
@@ -55,7 +55,7 @@ def window_l1(vae, z: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, gen: 
         # One window in four starts a timeline (no cache): the decoder's first-chunk path.
         prev = None if torch.rand((), generator=gen) < 0.25 else z[w, :1]
         zw = z[w, 1:].contiguous(memory_format=torch.channels_last) if fast else z[w, 1:]  # (n, C, h, w)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=fast):
+        with torch.autocast(z.device.type, dtype=torch.bfloat16, enabled=fast):
             y, _ = vae.decode(zw, prev)  # (n, 3, S, S)
         rec = rec + ((y.float() - x[w, 1:]).abs() * weight).mean() / weight.mean()
     return rec / z.shape[0]
@@ -66,8 +66,9 @@ def vae_loss(vae, batch: dict[int, torch.Tensor], plan: TrainPlan, gen: torch.Ge
     for side, x in batch.items():
         W, n1 = x.shape[:2]
         mean, logvar = vae.encoder(x.flatten(0, 1))  # (W*n1, C, h, w) each
-        z = mean + torch.exp(0.5 * logvar) * torch.randn(mean.shape, generator=gen)  # (W*n1, C, h, w)
-        rec = window_l1(vae, z.unflatten(0, (W, n1)), x, mouth_weights(side, plan.mouth_weight), gen)
+        eps = torch.randn(mean.shape, generator=gen).to(mean.device)  # drawn on the CPU: same on any device
+        z = mean + torch.exp(0.5 * logvar) * eps  # (W*n1, C, h, w)
+        rec = window_l1(vae, z.unflatten(0, (W, n1)), x, mouth_weights(side, plan.mouth_weight, x.device), gen)
         kl = 0.5 * (mean.pow(2) + logvar.exp() - 1.0 - logvar).mean()
         total = total + rec + plan.kl_weight * kl
     return total / len(batch)
@@ -78,8 +79,8 @@ def decoder_loss(vae, x: torch.Tensor, plan: TrainPlan, gen: torch.Generator) ->
     latent is decoded, as the render decodes the SR's latents (no sampling noise)."""
     with torch.no_grad():
         z = vae.encode(x.flatten(0, 1).contiguous(memory_format=torch.channels_last))  # (W*n1, C, h, w)
-    return window_l1(vae, z.unflatten(0, x.shape[:2]), x, mouth_weights(x.shape[-1], plan.mouth_weight), gen,
-                     fast=plan.decoder_autocast)
+    return window_l1(vae, z.unflatten(0, x.shape[:2]), x, mouth_weights(x.shape[-1], plan.mouth_weight, x.device),
+                     gen, fast=plan.decoder_autocast)
 
 
 @torch.no_grad()
@@ -171,15 +172,15 @@ def dit_batch(cache: dict[str, torch.Tensor], plan: TrainPlan, cfg: FamilyConfig
 def dit_loss(dit, audio_enc, text_enc, b: dict, cfg: FamilyConfig, autocast: bool, mouth_weight: float = 0.0
              ) -> torch.Tensor:
     B, L = b["t"].shape
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+    with torch.autocast(b["xt"].device.type, dtype=torch.bfloat16, enabled=autocast):
         audio = audio_enc(b["mel"].flatten(0, 1)).unflatten(0, (B, L))  # (B, L, audio_dim)
         audio = audio * b["audio_keep"][:, None, None]  # dropped: zeros, as the unconditional CFG branch
         if b["text_ids"] is None:
-            text = torch.zeros(B, 0, cfg.text.dim)
+            text = torch.zeros(B, 0, cfg.text.dim, device=b["xt"].device)
         else:
             text = text_enc(b["text_ids"])  # (B, Nt, text_dim)
         v = dit(b["xt"], b["t"], b["mask"], audio, b["ref_lo"], b["ref_hi"], text)  # (B, L, C, h, w)
-    weight = mouth_weights(b["xt"].shape[-1], mouth_weight)  # (h, w): lip sync lives in a few latent cells
+    weight = mouth_weights(b["xt"].shape[-1], mouth_weight, b["xt"].device)  # (h, w): lip sync lives in a few latent cells
     err = ((v.float() - b["v"]).pow(2) * weight).mean(dim=(2, 3, 4)) / weight.mean()  # (B, L)
     free = (~b["mask"]).float() * b["frame_w"]  # (B, L)
     return (err * free).sum() / free.sum()

@@ -72,12 +72,35 @@ class _Halt(Exception):
     pass
 
 
+def to_device(batch, device: torch.device):
+    """A batch (tensors, possibly inside dicts, tuples and lists) on `device`; anything else as it is."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch
+
+
+def pick_device(name: str) -> torch.device:
+    """auto: the first CUDA device when there is one, else the CPU. Batches are made on the CPU either way."""
+    if name not in ("auto", "cpu", "cuda"):
+        raise InputError(f"unknown device '{name}' (choose from auto, cpu, cuda)")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise InputError("device 'cuda': no CUDA device is available here")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
 class Trainer:
     def __init__(self, cfg: FamilyConfig, plan: TrainPlan, work_dir: Path, budget_s: float, seed: int,
-                 log: Callable[[dict], None], halt_after_steps: int | None):
+                 log: Callable[[dict], None], halt_after_steps: int | None, device: torch.device = torch.device("cpu")):
         self.cfg, self.plan, self.work, self.budget_s, self.seed = cfg, plan, work_dir, budget_s, seed
-        self.log_fn, self.halt_after = log, halt_after_steps
-        self.models = init_models(cfg, seed)
+        self.log_fn, self.halt_after, self.device = log, halt_after_steps, device
+        # Initialised on the CPU (the same weights whatever the device), then moved.
+        self.models = {k: m.to(device) for k, m in init_models(cfg, seed).items()}
         self.state: dict = {"phase": "vae", "step": 0, "seconds": {}, "seed": seed, "size": cfg.size,
                             "probe": {}, "latent_scale": None, "plan": {k: v for k, v in plan.__dict__.items()}}
         self.opt: torch.optim.Optimizer | None = None
@@ -157,7 +180,7 @@ class Trainer:
             step = self.state["step"]
             t0 = time.perf_counter()
             rng, gen = step_rngs(self.seed, phase, step)
-            batch = batch_fn(step, rng, gen)
+            batch = to_device(batch_fn(step, rng, gen), self.device)
             progress = max(step / steps, seconds.get(phase, 0.0) / budget)
             for g in self.opt.param_groups:
                 g["lr"] = lr_at(progress, step, lr, self.plan.warmup)
@@ -189,7 +212,7 @@ class Trainer:
         with torch.no_grad():
             for i in range(self.plan.probes):
                 rng, gen = step_rngs(self.seed, "probe", i)
-                losses.append(float(loss_fn(batch_fn(i * 7, rng, gen))))
+                losses.append(float(loss_fn(to_device(batch_fn(i * 7, rng, gen), self.device))))
         return float(np.mean(losses))
 
     def phase_vae(self) -> None:
@@ -200,7 +223,7 @@ class Trainer:
                        lambda b: vae_loss(vae, b[0], p, b[1]))
         # Unit-RMS latents, measured on the first training clips at both resolutions.
         x = torch.cat([frames.clip(j)[::4] for j in range(3)])
-        s = normalize_latents(vae, [x, downsample(x, cfg.low_size)])
+        s = normalize_latents(vae, [x.to(self.device), downsample(x, cfg.low_size).to(self.device)])
         self.state["latent_scale"] = [round(float(v), 6) for v in s]
 
     def phase_cache(self) -> None:
@@ -272,7 +295,7 @@ def train(out_dir: str | Path, size: str = "mini", work_dir: str | Path | None =
           seed: int = 0, resume: bool = True, plan: TrainPlan | None = None,
           log: Callable[[dict], None] = lambda e: print(json.dumps(e), flush=True),
           halt_after_steps: int | None = None, start_from: str | Path | None = None,
-          start_phase: str = "decoder") -> dict | None:
+          start_phase: str = "decoder", device: str = "auto") -> dict | None:
     """Train a model of size `size` and write its model directory to `out_dir`.
 
     work_dir holds the checkpoint, the latent cache and train_log.jsonl (default: `<out_dir>.work`).
@@ -282,11 +305,14 @@ def train(out_dir: str | Path, size: str = "mini", work_dir: str | Path | None =
     start_from: a model directory to begin with, at phase `start_phase`: what the earlier phases make is taken
     from it, the rest starts fresh (e.g. to re-run the decoder polish on trained weights); ignored when work_dir
     holds a checkpoint to resume.
+    device: auto | cpu | cuda, where the models train (auto: CUDA when there is one); batches are made on the
+    CPU and moved, so the data and the init are the same on any device.
     """
     if size not in SIZES:
         raise InputError(f"unknown size '{size}' (choose from {', '.join(SIZES)})")
     if start_phase not in PHASES[1:-1]:
         raise InputError(f"unknown phase '{start_phase}' to start at (choose from {', '.join(PHASES[1:-1])})")
+    dev = pick_device(device)
     src = None
     if start_from is not None:  # checked before anything is written
         src = resolve_model(str(start_from), Path.cwd())
@@ -298,7 +324,7 @@ def train(out_dir: str | Path, size: str = "mini", work_dir: str | Path | None =
         shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True, exist_ok=True)
     cfg = SIZES[size]
-    trainer = Trainer(cfg, plan or plan_for(size), work, budget_minutes * 60.0, seed, log, halt_after_steps)
+    trainer = Trainer(cfg, plan or plan_for(size), work, budget_minutes * 60.0, seed, log, halt_after_steps, dev)
     if resume and trainer.resume():
         log({"event": "resumed", "phase": trainer.state["phase"], "step": trainer.state["step"]})
     elif src is not None:
@@ -308,10 +334,11 @@ def train(out_dir: str | Path, size: str = "mini", work_dir: str | Path | None =
         trainer.run()
     except _Halt:
         return None
-    write_model_dir(out_dir, cfg, trainer.models)
+    write_model_dir(out_dir, cfg, {k: m.cpu() for k, m in trainer.models.items()})
     st = trainer.state
     summary = {"size": size, "seed": seed, "out_dir": str(out_dir), "seconds": st["seconds"],
                "steps": st.get("steps_done", {}), "probe": st["probe"], "latent_scale": st["latent_scale"],
-               "total_minutes": round(sum(st["seconds"].values()) / 60, 2), "start_from": st.get("start_from")}
+               "total_minutes": round(sum(st["seconds"].values()) / 60, 2), "start_from": st.get("start_from"),
+               "device": str(dev)}
     (work / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
