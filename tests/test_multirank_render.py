@@ -13,7 +13,10 @@ import pytest
 def render(job: Path, out: Path, *extra: str) -> dict:
     result = subprocess.run([sys.executable, "-m", "avatar_cli", "render", str(job), "-o", str(out), "--json", *extra],
                             capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
+    if result.returncode != 0:  # torchrun's summary comes last; the failing rank's own message is further up
+        clues = [line for line in result.stderr.splitlines()
+                 if any(w in line for w in ("terminate", "Error", "error:", "what()", "Abort", "Traceback"))]
+        raise AssertionError("\n".join(clues[:30]) + "\n...\n" + result.stderr[-1500:])
     lines = result.stdout.strip().splitlines()
     assert all(line.startswith("{") for line in lines)  # rank 1 prints nothing on stdout
     return json.loads(lines[-1])
