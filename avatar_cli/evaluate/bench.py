@@ -22,7 +22,7 @@ from avatar_cli import runner
 from avatar_cli.evaluate import metrics as M
 from avatar_cli.media.image import save_png
 from avatar_cli.modules.registry import load_modules, resolve_model
-from avatar_cli.pipeline.schedule import plan
+from avatar_cli.pipeline.schedule import plan_job
 from avatar_cli.report import QuietReporter
 from avatar_cli.spec import load_job
 from avatar_cli.synth import EVAL_IDENTITY_SEEDS, HELDOUT_AUDIO_SEED_START, SAMPLE_RATE, make_clip, render_reference
@@ -86,9 +86,8 @@ class Renderer:
                 if keep:
                     frames.append(arr)
         (d / "out.mp4").unlink()
-        c = p.job.spec.chunking
-        chunks = plan(p.frames, c.frames, c.motion_frames, c.transitions, c.transition_frames)
-        return Rendered(np.stack(frames) if keep else None, reference, audio, wall, M.chunk_boundaries(chunks))
+        boundaries = M.chunk_boundaries(plan_job(p.job.spec.chunking, p.frames))
+        return Rendered(np.stack(frames) if keep else None, reference, audio, wall, boundaries)
 
 
 @torch.no_grad()

@@ -34,11 +34,11 @@ class DiTParams:
     # through the blocks; "v": the velocity itself (model dirs written before this field existed).
     predict: str = "x"
     # Frames near a given one (motion frames, I-chunk anchors) continue it: each frame's tokens carry the nearest
-    # given frame on either side at the same place, its modulation how far away they are, and with
-    # predict="x" the clean frame is predicted as a change from the reference latent blended toward those
-    # given frames by a learned weight per distance, tapered to zero at max_gap (a cut-off step showed as a
-    # jump 8 frames into each chunk; zero so chunks never compound through it). Without this the DiT ignored its motion frames: its first frame was as far from the truth as its
-    # last. Model dirs written before the field existed load with False.
+    # given frame on either side at the same place, its modulation how far away they are, and with predict="x"
+    # the clean frame is predicted as a change from the reference latent blended toward those given frames by a
+    # learned weight per distance, tapered to zero at max_gap (a cut-off step showed as a jump 8 frames into each
+    # chunk; zero, so chunks never compound through it). Without this the DiT ignored its motion frames: its
+    # first frame was as far from the truth as its last. Model dirs written before the field load with False.
     near_given: bool = True
     max_gap: int = 8  # distances told apart up to here; farther (or none) is one class, with blend weight 0
 

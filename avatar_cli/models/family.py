@@ -17,6 +17,11 @@ from avatar_cli.models.text import TextEncoder, TextParams
 from avatar_cli.models.vae import VAE, VAEParams
 
 
+# dit fields added after model dirs were first written, with the value that matches those older dirs:
+# a velocity model without the near-given inputs.
+DIT_BEFORE_FIELDS = {"predict": "v", "near_given": False}
+
+
 @dataclass(frozen=True)
 class FamilyConfig:
     family: str = "mini"
@@ -44,10 +49,8 @@ class FamilyConfig:
         if unknown:
             raise ValueError(f"unknown config fields: {', '.join(sorted(unknown))}")
         kwargs: dict[str, Any] = {}
-        if isinstance(d.get("dit"), dict) and "predict" not in d["dit"]:
-            d = {**d, "dit": {**d["dit"], "predict": "v"}}  # written before the field existed: a velocity model
-        if isinstance(d.get("dit"), dict) and "near_given" not in d["dit"]:
-            d = {**d, "dit": {**d["dit"], "near_given": False}}  # written before the field existed
+        if isinstance(d.get("dit"), dict):  # fields added later: what a model dir written before them means
+            d = {**d, "dit": {**DIT_BEFORE_FIELDS, **d["dit"]}}
         for name, value in d.items():
             if name in sub:
                 kwargs[name] = _build(sub[name], value, name)

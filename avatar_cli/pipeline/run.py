@@ -10,7 +10,7 @@ import torch
 
 from avatar_cli.models.family import FamilyConfig
 from avatar_cli.modules.module import Module
-from avatar_cli.pipeline.schedule import Chunk, plan
+from avatar_cli.pipeline.schedule import Chunk, plan_job
 from avatar_cli.pipeline.state import RollingState
 from avatar_cli.runtime.device import Runtime
 from avatar_cli.runtime.placement import Placement
@@ -85,8 +85,7 @@ class Pipeline:
         return (d.latent_channels, d.latent_size, d.latent_size)
 
     def schedule(self, spec: JobSpec, total_frames: int) -> list[Chunk]:
-        c = spec.chunking
-        return plan(total_frames, c.frames, c.motion_frames, c.transitions, c.transition_frames)
+        return plan_job(spec.chunking, total_frames)
 
     @torch.no_grad()  # not inference_mode: FSDP2 (multi-GPU) breaks under it in torch 2.14
     def run(self, spec: JobSpec, image: torch.Tensor, audio: AudioSource, total_frames: int, sink: FrameSink,

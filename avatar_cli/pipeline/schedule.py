@@ -57,3 +57,9 @@ def plan(total: int, frames: int, motion: int, transitions: bool, transition_fra
             published = new_end
             chunks.append(Chunk("I", k - 1, new_start - 1, a + 2, (0, a + 1), (new_start, new_start + a), published))
     return chunks
+
+
+def plan_job(chunking, total: int) -> list[Chunk]:
+    """The schedule for a job's `chunking` settings (spec.ChunkingSpec) and `total` frames."""
+    c = chunking
+    return plan(total, c.frames, c.motion_frames, c.transitions, c.transition_frames)

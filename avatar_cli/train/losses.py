@@ -180,7 +180,8 @@ def dit_loss(dit, audio_enc, text_enc, b: dict, cfg: FamilyConfig, autocast: boo
         else:
             text = text_enc(b["text_ids"])  # (B, Nt, text_dim)
         v = dit(b["xt"], b["t"], b["mask"], audio, b["ref_lo"], b["ref_hi"], text)  # (B, L, C, h, w)
-    weight = mouth_weights(b["xt"].shape[-1], mouth_weight, b["xt"].device)  # (h, w): lip sync lives in a few latent cells
+    # (h, w): lip sync lives in a few latent cells
+    weight = mouth_weights(b["xt"].shape[-1], mouth_weight, b["xt"].device)
     err = ((v.float() - b["v"]).pow(2) * weight).mean(dim=(2, 3, 4)) / weight.mean()  # (B, L)
     free = (~b["mask"]).float() * b["frame_w"]  # (B, L)
     return (err * free).sum() / free.sum()

@@ -60,8 +60,8 @@ PLANS = {
     # The real code path at toy size, for tests: a few steps per phase, seconds in all.
     "tiny": TrainPlan(vae_steps=8, sr_steps=8, dit_steps=8, decoder_steps=8, vae_windows=1, vae_window=3,
                       vae_clip_s=0.4, vae_steps_per_clip=4, vae_lr=3e-3, sr_clips=2, sr_clip_s=0.4, sr_batch=8,
-                      sr_lr=3e-3, dit_clips=3, dit_clip_s=1.4, dit_tokens=28, dit_lr=3e-3, chunk_frames=8, motion_frames=2,
-                      transition_frames=2, warmup=2, ckpt_every_s=1e9, probes=2),
+                      sr_lr=3e-3, dit_clips=3, dit_clip_s=1.4, dit_tokens=28, dit_lr=3e-3, chunk_frames=8,
+                      motion_frames=2, transition_frames=2, warmup=2, ckpt_every_s=1e9, probes=2),
 }
 
 

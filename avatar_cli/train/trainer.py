@@ -334,7 +334,7 @@ def train(out_dir: str | Path, size: str = "mini", work_dir: str | Path | None =
         trainer.run()
     except _Halt:
         return None
-    write_model_dir(out_dir, cfg, {k: m.cpu() for k, m in trainer.models.items()})
+    write_model_dir(out_dir, cfg, trainer.models)  # Module.save writes CPU copies
     st = trainer.state
     summary = {"size": size, "seed": seed, "out_dir": str(out_dir), "seconds": st["seconds"],
                "steps": st.get("steps_done", {}), "probe": st["probe"], "latent_scale": st["latent_scale"],
