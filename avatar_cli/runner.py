@@ -28,6 +28,7 @@ from avatar_cli.report import Reporter, peak_rss_mb
 from avatar_cli.runtime.device import Runtime, resolve_runtime
 from avatar_cli.runtime.distributed import Dist, current_dist
 from avatar_cli.runtime.numa import bind_to_gpu_node
+from avatar_cli.runtime.offload import Transfer
 from avatar_cli.runtime.placement import Placement, place
 from avatar_cli.spec import Job
 
@@ -108,9 +109,14 @@ def prepare(job: Job, force: bool = False) -> Prepared:
 
 @dataclass
 class ModelCache:
-    """Jobs of a batch that share a model load (and place) it once."""
+    """Jobs of a batch that share a model load (and place) it once.
+
+    transfer, free_bytes: the device behind offload, when not CUDA's (tests: the CPU standing in).
+    """
 
     loaded: dict[tuple, tuple[dict[str, Module], Placement]] = field(default_factory=dict)
+    transfer: Transfer | None = None
+    free_bytes: int | None = None
 
     def get(self, source: ModelSource, runtime: Runtime, dist: Dist, rt_spec, reporter: Reporter
             ) -> tuple[dict[str, Module], Placement]:
@@ -122,7 +128,8 @@ class ModelCache:
                               "in, so the video shows noise, not a face")
             self.loaded.clear()  # keep one model set resident, not one per model ever used
             modules = load_modules(source)
-            placement = place(modules, runtime, dist, rt_spec.offload.value, rt_spec.reshard.value)
+            placement = place(modules, runtime, dist, rt_spec.offload.value, rt_spec.reshard.value,
+                              transfer=self.transfer, free_bytes=self.free_bytes)
             self.loaded[key] = (modules, placement)
         return self.loaded[key]
 

@@ -78,7 +78,7 @@ class RuntimeSpec:
     device: Device = Device.auto
     dtype: DType = DType.auto  # auto: bfloat16 (faster than float32 on both modern CPUs and GPUs)
     threads: int = 0  # torch CPU threads; 0 = one per core
-    offload: Offload = Offload.auto  # one GPU: where idle models wait (auto decides from free GPU memory)
+    offload: Offload = Offload.auto  # GPU: where idle models wait (auto decides from free GPU memory)
     reshard: Reshard = Reshard.per_block  # several GPUs: FSDP2 reshards after each block, or after each stage
 
 

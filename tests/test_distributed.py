@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from avatar_cli.models.dit import DiT
 from avatar_cli.models.family import SIZES
 from avatar_cli.runtime.distributed import Dist, init_distributed
+from avatar_cli.runtime.placement import resident_bytes
 from avatar_cli.runtime.sequence_parallel import check_degree
 
 SCRIPTS = Path(__file__).parent / "dist_scripts"
@@ -47,6 +48,24 @@ def test_two_ranks_fsdp_and_sequence_parallel_equal_one_rank():
     assert res["L5/out_absmax"] > 1.0  # the outputs are not trivially zero
     assert 0.45 < res["per_block/local_param_fraction"] < 0.55  # each rank holds about half
     assert res["heads_error"] == 1.0
+
+
+def test_two_ranks_offload_shards_to_host_and_render_the_same_video(job_dir: Path):
+    r = subprocess.run([*TORCHRUN, str(SCRIPTS / "offload_render.py"), str(job_dir / "job.yaml")], env=_env(),
+                       capture_output=True, text=True, timeout=180)
+    lines = [line for line in r.stdout.splitlines() if line.startswith("{")]
+    assert r.returncode == 0 and lines, r.stdout[-2000:] + r.stderr[-4000:]
+    res = json.loads(lines[-1])
+    assert res["ok"] is True and res["same_video"] is True
+    assert res["fsdp_offload"] == {"dit": True, "text": True}  # FSDP2 keeps the transformers' shards on the host
+    assert res["offloaders"] == ["audio", "sr", "vae"] and res["live_bytes"] == 0 and res["loads"] > 5
+
+
+def test_resident_bytes_per_rank_follow_the_reshard_policy():
+    dit = DiT(SIZES["tiny"].dit)
+    total, block = (sum(p.nbytes for p in m.parameters()) for m in (dit, dit.blocks[0]))
+    assert resident_bytes(dit, 4, "per_block") == total // 4 + 2 * block
+    assert resident_bytes(dit, 4, "per_stage") == total // 4 + total
 
 
 def test_killed_rank_ends_the_other_under_torchrun():

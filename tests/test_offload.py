@@ -129,6 +129,19 @@ def test_model_offload_holds_whole_model_only_during_stage():
     assert t.peak_bytes == _padded(model.parameters())
 
 
+def test_offload_keeps_channels_last_weights_channels_last():
+    conv = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Conv2d(8, 4, 1)).to(memory_format=torch.channels_last)
+    x = torch.randn(1, 3, 9, 9).to(memory_format=torch.channels_last)
+    want = conv(x)
+    t = HostTransfer()
+    with ModelOffloader(conv, t).stage():
+        assert all(t.is_device(p) for p in conv.parameters())
+        assert conv[0].weight.is_contiguous(memory_format=torch.channels_last)
+        assert not conv[0].weight.is_contiguous()
+        assert torch.equal(conv(x), want)
+    assert conv[1].weight.is_contiguous(memory_format=torch.channels_last)  # the host view too
+
+
 def test_offload_rejects_modules_with_buffers():
     m = torch.nn.Module()
     m.blocks = torch.nn.ModuleList([torch.nn.BatchNorm1d(4)])

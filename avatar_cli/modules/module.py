@@ -79,7 +79,10 @@ def load_module(name: str, model_cls: type[nn.Module], params: object, path: Pat
     """Build on meta, check strictly, then assign the checkpoint's tensors (no copy, no random init)."""
     model = build_meta(model_cls, params)
     check_checkpoint(path, model)
-    state = load_file(str(path), device="cpu")
+    # safetensors hands out tensors at the file's byte offsets, often not 64-byte aligned; BLAS then takes
+    # slower unaligned paths whose sums round differently from an aligned copy of the same weights (a
+    # render changed with where its weights happened to sit). One aligned copy each, once.
+    state = {k: v if v.data_ptr() % 64 == 0 else v.clone() for k, v in load_file(str(path), device="cpu").items()}
     model.load_state_dict(state, strict=True, assign=True)
     return Module(name, model, str(path))
 

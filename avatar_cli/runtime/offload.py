@@ -154,25 +154,35 @@ class _Group:
     label: str
     params: list[nn.Parameter]
     offsets: list[int]
+    strides: list[tuple[int, ...]]  # each parameter's own layout (channels-last conv weights stay so)
     nbytes: int
     slab: torch.Tensor  # (nbytes,) uint8 host
     host_views: list[torch.Tensor]
 
     def views(self, buf: torch.Tensor) -> list[torch.Tensor]:
-        return [buf[o:o + p.nbytes].view(p.dtype).view(p.shape) for p, o in zip(self.params, self.offsets)]
+        return [buf[o:o + p.nbytes].view(p.dtype).as_strided(p.shape, st)
+                for p, o, st in zip(self.params, self.offsets, self.strides)]
 
     def point_at(self, views: list[torch.Tensor]) -> None:
         for p, v in zip(self.params, views):
             p.data = v  # a pointer swap: no copy
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """Its elements fill exactly numel() slots (any dim order: contiguous, channels-last...)."""
+    span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    return t.numel() == 0 or (min(t.stride(), default=1) >= 0 and span == t.numel())
+
+
 def _pack(label: str, params: list[nn.Parameter], transfer: Transfer) -> _Group:
     offsets, n = [], 0
     for p in params:
+        if not _dense(p.data):
+            raise ValueError(f"offload: a parameter of {label} is a strided view; it cannot live in a slab")
         offsets.append(n)
         n += -(-p.nbytes // ALIGN) * ALIGN
     slab = transfer.host_empty(max(n, ALIGN))
-    group = _Group(label, params, offsets, n, slab, [])
+    group = _Group(label, params, offsets, [p.stride() for p in params], n, slab, [])
     group.host_views = group.views(slab)
     for p, v in zip(params, group.host_views):
         v.copy_(p.data.to("cpu"))
@@ -227,6 +237,9 @@ class BlockOffloader(_Stage):
         self._current: int | None = None
         self._hooks = [model.register_forward_pre_hook(lambda *_: None if self.active else self.begin())]
         self._hooks += [b.register_forward_pre_hook(self._enter_hook(i)) for i, b in enumerate(blocks)]
+
+    def params(self) -> list[nn.Parameter]:
+        return [p for g in [self.root, *self.blocks] for p in g.params]
 
     @property
     def bound_bytes(self) -> int:
@@ -319,6 +332,9 @@ class ModelOffloader(_Stage):
         self.active = False
         self._buf: torch.Tensor | None = None
         self._hook = model.register_forward_pre_hook(lambda *_: None if self.active else self.begin())
+
+    def params(self) -> list[nn.Parameter]:
+        return list(self.group.params)
 
     @property
     def bound_bytes(self) -> int:

@@ -23,17 +23,20 @@ from typing import Literal
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 Reshard = Literal["per_block", "per_stage"]
 
 
 def parallelize_model(model: nn.Module, mesh: DeviceMesh, *, reshard: Reshard = "per_block",
-                      param_dtype: torch.dtype | None = None) -> nn.Module:
+                      param_dtype: torch.dtype | None = None, offload: bool = False) -> nn.Module:
     """Shard `model` (anything with a `blocks` ModuleList: the DiT, the text encoder) over `mesh`.
 
     param_dtype: the dtype blocks compute in after the all-gather (bf16 on GPU halves the gather);
-    None keeps the stored dtype. The model's parameters must already be on the mesh's device.
+    None keeps the stored dtype. The model's parameters must be on the mesh's device, or with
+    `offload` anywhere: then each rank's shards live in host memory (pinned on CUDA) and every
+    all-gather first copies its block's shard in, non-blocking, so the prefetch of block i+1 during
+    block i covers the host-to-device copy as well as the communication.
     Returns the same model, now an FSDPModule; call it as before, under torch.no_grad() (FSDP2 in
     torch 2.14 fails under inference_mode).
     """
@@ -46,6 +49,8 @@ def parallelize_model(model: nn.Module, mesh: DeviceMesh, *, reshard: Reshard = 
     kwargs = {"mesh": mesh, "reshard_after_forward": reshard == "per_block"}
     if mp is not None:
         kwargs["mp_policy"] = mp
+    if offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")
     for block in blocks:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)

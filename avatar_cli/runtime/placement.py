@@ -2,10 +2,16 @@
 
 - Several ranks (torchrun): the DiT and the text encoder are FSDP2-sharded per block, and the DiT runs
   Ulysses sequence parallel; the small models (VAE, SR, audio encoder) are replicated.
-- One GPU: `runtime.offload` (auto | none | model | block). Idle models wait in pinned host memory;
-  a stage's model comes onto the GPU when the stage starts (block by block, double-buffered, for
-  "block") and is dropped by pointer swap when it ends.
-- CPU: everything stays where it is.
+- `runtime.offload` (auto | none | model | block), on one GPU and on several: idle models wait in pinned
+  host memory. One GPU: a stage's model comes onto the GPU when the stage starts (block by block,
+  double-buffered, for "block") and is dropped by pointer swap when it ends. Several GPUs: the sharded
+  models keep their shards in pinned host memory (FSDP2's CPUOffloadPolicy: each block's shard is copied
+  in as part of its all-gather, which block i-1 prefetches), and the replicated ones are offloaded as on
+  one GPU.
+- CPU: everything stays where it is (the host is the device).
+
+The device behind offload is a `Transfer` plus the free memory it reports; tests pass a `HostTransfer`,
+so the whole placement runs on the CPU with the CPU standing in for the GPU.
 """
 
 import contextlib
@@ -18,7 +24,8 @@ import torch
 from avatar_cli.modules.module import Module
 from avatar_cli.runtime.device import Runtime
 from avatar_cli.runtime.distributed import Dist
-from avatar_cli.runtime.offload import BlockOffloader, CudaTransfer, ModelOffloader, choose_offload, model_bytes
+from avatar_cli.runtime.offload import (BlockOffloader, CudaTransfer, ModelOffloader, Transfer, choose_offload,
+                                        model_bytes)
 from avatar_cli.runtime.parallelize import gpu_param_dtype, parallelize_model, reshard_stage
 from avatar_cli.runtime.sequence_parallel import SequenceParallelDiT
 
@@ -49,38 +56,85 @@ class Placement:
                     reshard_stage(self.sharded[name])
 
 
+def resident_bytes(model: torch.nn.Module, world_size: int, reshard: str) -> int:
+    """Device bytes a sharded model needs on one rank while it runs: its shard plus what the all-gathers
+    hold (per_block: the running and the prefetched block; per_stage: the whole model, kept gathered)."""
+    total = model_bytes(model)
+    if reshard == "per_stage":
+        return total // world_size + total
+    largest_block = max(model_bytes(b) for b in model.blocks)
+    return total // world_size + 2 * largest_block
+
+
 def place(modules: Mapping[str, Module], runtime: Runtime, dist: Dist, offload: str = "auto",
-          reshard: str = "per_block", working_bytes: int = 2 << 30) -> Placement:
+          reshard: str = "per_block", working_bytes: int = 2 << 30, transfer: Transfer | None = None,
+          free_bytes: int | None = None) -> Placement:
+    """Put each model where it runs, shard and offload as configured; returns what the stages enter.
+
+    transfer, free_bytes: the device behind offload; by default CUDA's (a side copy stream, and
+    `mem_get_info`). Without a transfer on a CPU run nothing is offloaded.
+    """
+    if transfer is None and runtime.is_cuda:
+        transfer = CudaTransfer(runtime.device)
+    if free_bytes is None and runtime.is_cuda:
+        free_bytes = torch.cuda.mem_get_info(runtime.device)[0]
     if dist.enabled:
-        for module in modules.values():
-            module.to(runtime.device, runtime.dtype)
-        placement = Placement(reshard_per_stage=reshard == "per_stage")
-        param_dtype = gpu_param_dtype(runtime.device.type)
-        for name in SHARDED:
-            model = parallelize_model(modules[name].model, dist.mesh, reshard=reshard, param_dtype=param_dtype)
-            placement.sharded[name] = model
-        modules["dit"].model = SequenceParallelDiT(modules["dit"].model, dist.group)
-        log.info("placement: %s sharded over %d ranks (reshard %s); DiT sequence parallel", ", ".join(SHARDED),
-                 dist.world_size, reshard)
-        return placement
-    if not runtime.is_cuda:
+        return _place_sharded(modules, runtime, dist, offload, reshard, working_bytes, transfer, free_bytes)
+    if transfer is None:
         for module in modules.values():
             module.to(runtime.device, runtime.dtype)
         return Placement()
 
-    for module in modules.values():
-        module.to("cpu", runtime.dtype)
     sizes = {name: model_bytes(m.model) for name, m in modules.items()}
-    choice = choose_offload(offload, torch.cuda.mem_get_info(runtime.device)[0], sizes, working_bytes)
+    choice = choose_offload(offload, _known(free_bytes), sizes, working_bytes)
     placement = Placement(offload=choice)
+    _offload_replicated(modules, runtime, choice, transfer, placement)
+    return placement
+
+
+def _place_sharded(modules: Mapping[str, Module], runtime: Runtime, dist: Dist, offload: str, reshard: str,
+                   working_bytes: int, transfer: Transfer | None, free_bytes: int | None) -> Placement:
+    """FSDP2 for the transformers, Ulysses for the DiT; offload (if chosen) from the outside of both."""
+    choice = "none"
+    if transfer is not None:
+        sizes = {name: resident_bytes(m.model, dist.world_size, reshard) if name in SHARDED else model_bytes(m.model)
+                 for name, m in modules.items()}
+        choice = choose_offload(offload, _known(free_bytes), sizes, working_bytes)
+    placement = Placement(reshard_per_stage=reshard == "per_stage", offload=choice)
+    param_dtype = gpu_param_dtype(runtime.device.type)
+    for name in SHARDED:
+        module = modules[name]
+        # Offloaded shards start on the host: FSDP2 moves one block at a time to the device to shard it.
+        module.to("cpu" if choice != "none" else runtime.device, runtime.dtype)
+        placement.sharded[name] = parallelize_model(module.model, dist.mesh, reshard=reshard,
+                                                    param_dtype=param_dtype, offload=choice != "none")
+    replicated = {name: m for name, m in modules.items() if name not in SHARDED}
     if choice == "none":
-        for module in modules.values():
-            module.to(runtime.device)
-        return placement
-    transfer = CudaTransfer(runtime.device)
+        for module in replicated.values():
+            module.to(runtime.device, runtime.dtype)
+    else:
+        _offload_replicated(replicated, runtime, choice, transfer, placement)
+    modules["dit"].model = SequenceParallelDiT(modules["dit"].model, dist.group)
+    log.info("placement: %s sharded over %d ranks (reshard %s%s); DiT sequence parallel", ", ".join(SHARDED),
+             dist.world_size, reshard, ", shards in pinned host memory" if choice != "none" else "")
+    return placement
+
+
+def _offload_replicated(modules: Mapping[str, Module], runtime: Runtime, choice: str, transfer: Transfer,
+                        placement: Placement) -> None:
+    """Whole models on the device ("none"), or in host slabs that stages bring in ("model", "block")."""
     for name, module in modules.items():
+        if choice == "none":
+            module.to(runtime.device, runtime.dtype)
+            continue
+        module.to("cpu", runtime.dtype)
         if choice == "block" and hasattr(module.model, "blocks"):
             placement.offloaders[name] = BlockOffloader(module.model, transfer)
         else:
             placement.offloaders[name] = ModelOffloader(module.model, transfer)
-    return placement
+
+
+def _known(free_bytes: int | None) -> int:
+    if free_bytes is None:
+        raise ValueError("offload needs the device's free memory (free_bytes) along with its transfer")
+    return free_bytes
