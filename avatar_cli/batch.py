@@ -76,12 +76,18 @@ def run_batch(jobs: list[Path], overrides: list[str], output: str | None, force:
               fail_fast: bool, reporter: Reporter, debug: bool = False) -> list[JobResult]:
     from avatar_cli import runner
     from avatar_cli.pipeline.fingerprint import job_fingerprint
+    from avatar_cli.runtime.distributed import launched_by_torchrun
     from avatar_cli.spec import load_job
 
     models = runner.ModelCache()
     results: list[JobResult] = []
+    # Under torchrun a job that fails while rendering may have left the ranks at different collectives
+    # (one rank's disk filled, a peer died): the next job would hang or mismatch. End the batch there.
+    # Bad input is found before any collective, identically on every rank, so the batch goes on past it.
+    ranked = launched_by_torchrun()
     for path in jobs:
         t0 = time.perf_counter()
+        rendering = False
         try:
             job = load_job(path, overrides, output)
             if job.output.exists() and not force and not resume:
@@ -91,6 +97,7 @@ def run_batch(jobs: list[Path], overrides: list[str], output: str | None, force:
                     results.append(JobResult(str(path), "skipped", time.perf_counter() - t0, output=str(job.output)))
                     continue
             prepared = runner.prepare(job, force=force or resume)
+            rendering = True
             summary = runner.render(prepared, reporter, models, resume=resume)
             reporter.done(summary)
             results.append(JobResult(str(path), "done", time.perf_counter() - t0, output=summary["output"]))
@@ -99,7 +106,8 @@ def run_batch(jobs: list[Path], overrides: list[str], output: str | None, force:
                 traceback.print_exc()
             reporter.error(e.exit_code, f"{path}: {e}" if len(jobs) > 1 else str(e))
             results.append(JobResult(str(path), "failed", time.perf_counter() - t0, e.exit_code, str(e)))
-            if fail_fast:
+            if fail_fast or (ranked and rendering):
+                _stopped(reporter, jobs, results, fail_fast)
                 break
         except (KeyboardInterrupt, SystemExit):
             raise
@@ -109,9 +117,17 @@ def run_batch(jobs: list[Path], overrides: list[str], output: str | None, force:
             message = f"render failed: {type(e).__name__}: {e}".splitlines()[0]
             reporter.error(EXIT_RENDER_FAILED, f"{path}: {message}" if len(jobs) > 1 else message)
             results.append(JobResult(str(path), "failed", time.perf_counter() - t0, EXIT_RENDER_FAILED, message))
-            if fail_fast:
+            if fail_fast or (ranked and rendering):
+                _stopped(reporter, jobs, results, fail_fast)
                 break
     return results
+
+
+def _stopped(reporter: Reporter, jobs: list[Path], results: list, fail_fast: bool) -> None:
+    left = len(jobs) - len(results)
+    if left:
+        why = "--fail-fast" if fail_fast else "a render failed under torchrun, so the ranks may be out of step"
+        reporter.info(f"batch stopped ({why}): {left} job(s) not started")
 
 
 def batch_exit_code(results: list[JobResult]) -> int:

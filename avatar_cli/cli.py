@@ -118,6 +118,10 @@ def render(
         if force and resume:
             raise SpecError("--force and --resume contradict each other: --force starts over")
         results = run_batch(jobs, overrides, output, force, resume, fail_fast, reporter, debug)
+        from avatar_cli.runtime.distributed import shutdown_distributed
+
+        if all(r.status != "failed" for r in results):  # after a failure the peers may be gone: just exit
+            shutdown_distributed()  # under torchrun: every rank is done before any process group goes away
         if len(jobs) != 1:
             reporter.batch(results)
         return batch_exit_code(results)

@@ -157,6 +157,50 @@ def test_bulk_one_bad_job_does_not_sink_the_batch(job_dir: Path):
     assert [e["status"] for e in events(result.stdout) if e["event"] == "job"] == ["done", "failed"]
 
 
+class Recorder:
+    def __init__(self):
+        self.lines: list[str] = []
+
+    def info(self, message: str) -> None:
+        self.lines.append(message)
+
+    def error(self, code: int, message: str) -> None:
+        self.lines.append(f"error {code}: {message}")
+
+    def done(self, summary: dict) -> None:
+        self.lines.append("done")
+
+
+def test_under_torchrun_a_failed_render_ends_the_batch_but_bad_input_does_not(job_dir: Path, monkeypatch):
+    from avatar_cli import runner
+    from avatar_cli.batch import run_batch
+    from avatar_cli.runtime import distributed
+
+    jobs = make_batch(job_dir, ["a", "b", "c", "d"])
+    (jobs / "a.yaml").write_text((jobs / "a.yaml").read_text().replace("../speech.wav", "../missing.wav"))
+    rendered = []
+
+    def fake_render(p, reporter, models, resume=False):
+        rendered.append(p.job.path.stem)
+        if p.job.path.stem == "c":
+            raise RuntimeError("gloo: connection closed by peer")
+        return {"output": str(p.job.output)}
+
+    monkeypatch.setattr(runner, "render", fake_render)
+    monkeypatch.setattr(distributed, "launched_by_torchrun", lambda: True)
+    rec = Recorder()
+    results = run_batch(sorted(jobs.glob("*.yaml")), [], None, False, False, False, rec)
+    assert rendered == ["b", "c"]  # a: bad input, found before any collective; d: never started
+    assert [r.status for r in results] == ["failed", "done", "failed"]
+    assert "batch stopped (a render failed under torchrun, so the ranks may be out of step): 1 job(s) not started" \
+        in rec.lines
+
+    monkeypatch.setattr(distributed, "launched_by_torchrun", lambda: False)  # one process: the batch goes on
+    rendered.clear()
+    assert [r.status for r in run_batch(sorted(jobs.glob("*.yaml")), [], None, False, False, False, rec)] == \
+        ["failed", "done", "failed", "done"]
+
+
 def test_rerun_skips_finished_jobs_and_force_redoes_them(job_dir: Path):
     jobs = make_batch(job_dir, ["a", "b"])
     assert cli("render", str(jobs), "--json").returncode == 0

@@ -43,6 +43,29 @@ def test_two_ranks_match_one(job_dir: Path, tmp_path: Path, dtype: str):
     assert not list(tmp_path.glob("*.partial*"))
 
 
+def test_two_nodes_render_what_one_node_with_two_ranks_renders(job_dir: Path, tmp_path: Path):
+    """Multi-node rendezvous, two 'nodes' on this host: each worker is LOCAL_RANK 0 of its node."""
+    import os
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    job, out = job_dir / "job.yaml", tmp_path / "nodes.mp4"
+    one_node = render(job, tmp_path / "node.mp4", "runtime.dtype=float32", "--nproc", "2")
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+                               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "t",
+                               "-m", "avatar_cli", "render", str(job), "-o", str(out), "--json", "runtime.dtype=float32"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+    results = [n.communicate(timeout=300) for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], "\n".join(err[-1500:] for _, err in results)
+    summaries = [json.loads(o.strip().splitlines()[-1]) for o, _ in results if o.strip()]
+    assert len(summaries) == 1  # only global rank 0's node reports and writes
+    assert summaries[0]["ranks"] == 2 and summaries[0]["frames_digest"] == one_node["frames_digest"]
+    assert out.exists() and not list(tmp_path.glob("*.partial*"))
+
+
 def descendants(pid: int) -> list[int]:
     children = {}
     for entry in Path("/proc").iterdir():

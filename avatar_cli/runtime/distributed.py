@@ -115,3 +115,17 @@ def current_dist(device_type: str) -> Dist:
     if _CURRENT is None:
         _CURRENT = init_distributed(device_type)
     return _CURRENT
+
+
+def shutdown_distributed() -> None:
+    """After a run every rank finished: meet once more, then tear the process group down.
+
+    Without it a rank that finishes first exits while a peer still holds open connections to it; NCCL
+    warns about the missing destroy, and gloo can abort the slower peer in its own teardown. Not called
+    on failure: the other ranks may be gone, and the collective timeout ends them instead.
+    """
+    global _CURRENT
+    if _CURRENT is not None and _CURRENT.enabled and dist.is_initialized():
+        _CURRENT.barrier()
+        _CURRENT.destroy()
+    _CURRENT = None
