@@ -1,7 +1,8 @@
 """GPU check for a session with a CUDA device (issue 3). NOT RUN YET: written on a machine with no GPU.
 
 One prepared script, under 5 minutes on one GPU; prints one line per figure and a JSON summary:
-  1. stage handoff overhead (A2V -> SR -> VAE -> next chunk's A2V), CUDA events, block and model offload;
+  1. stage handoff overhead (A2V -> SR -> VAE -> next chunk's A2V), CUDA events, block and model offload,
+     with and without the next stage's prefetch;
   2. block offload vs everything resident: time per DiT forward, on a large synthetic DiT;
   3. time to first frame and render fps at 512x512 (the real `render`, in process);
   4. peak GPU memory, a 30 s vs a long render (5 min if the time budget allows, else shorter: printed);
@@ -64,34 +65,50 @@ def dit_inputs(p: DiTParams, frames: int) -> tuple[torch.Tensor, ...]:
 
 @torch.no_grad()
 def handoff() -> None:
-    """Mini models, each in pinned host memory; time from a stage's last kernel to the next one's readiness."""
+    """Mini models in pinned host memory: GPU time from a stage's end to the next stage's model being ready.
+
+    Each stage 'computes' ~20 ms of matmuls (the copies must overlap something, as in a render). With
+    prefetch (what the pipeline does: `stage(a, then=b)`), b's copy is issued when a starts; without, at
+    the handoff itself.
+    """
     cfg, t = SIZES["mini"], CudaTransfer(DEV)
     models = {n: random_module(n, cls, getattr(cfg, n), 0).model.to(torch.bfloat16) for n, (_, cls) in COMPONENTS.items()}
-    for kind in ("block", "model"):
-        offs = {n: (BlockOffloader(m, t) if kind == "block" and hasattr(m, "blocks") else ModelOffloader(m, t))
-                for n, m in models.items() if n in ("dit", "sr", "vae")}
-        order = ["dit", "sr", "vae", "dit"]
-        offs["dit"].begin()
-        times = []
+    x = torch.randn(4096, 4096, device=DEV, dtype=torch.bfloat16)
+
+    def compute() -> None:
         for _ in range(20):
-            for a, b in zip(order[:-1], order[1:]):
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                h0 = time.perf_counter()
-                offs[a].end()
-                offs[b].begin()
-                host = (time.perf_counter() - h0) * 1e3
-                e1.record()
-                e1.synchronize()
-                times.append((f"{a}->{b}", e0.elapsed_time(e1), host))
-        offs["dit"].end()
-        for o in offs.values():
-            o.remove()
-        for name in ("dit->sr", "sr->vae", "vae->dit"):
-            g = sorted(x[1] for x in times if x[0] == name)
-            h = sorted(x[2] for x in times if x[0] == name)
-            report(f"handoff {name} ({kind} offload) GPU ms median/max", f"{g[len(g) // 2]:.3f}/{g[-1]:.3f}")
-            report(f"handoff {name} ({kind} offload) host ms median", f"{h[len(h) // 2]:.3f}")
+            x @ x  # ~1 ms each on a recent GPU
+
+    for kind in ("block", "model"):
+        for prefetch in (True, False):
+            offs = {n: (BlockOffloader(m, t) if kind == "block" and hasattr(m, "blocks") else ModelOffloader(m, t))
+                    for n, m in models.items() if n in ("dit", "sr", "vae")}
+            order = ["dit", "sr", "vae", "dit"]
+            offs["dit"].begin()
+            times = []
+            for _ in range(20):
+                for a, b in zip(order[:-1], order[1:]):
+                    if prefetch:
+                        offs[b].prefetch()
+                    compute()
+                    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    e0.record()
+                    h0 = time.perf_counter()
+                    offs[a].end()
+                    offs[b].begin()
+                    host = (time.perf_counter() - h0) * 1e3
+                    e1.record()
+                    e1.synchronize()
+                    times.append((f"{a}->{b}", e0.elapsed_time(e1), host))
+            offs["dit"].end()
+            for o in offs.values():
+                o.remove()
+            tag = "prefetch" if prefetch else "no prefetch"
+            for name in ("dit->sr", "sr->vae", "vae->dit"):
+                g = sorted(x[1] for x in times if x[0] == name)
+                h = sorted(x[2] for x in times if x[0] == name)
+                report(f"handoff {name} ({kind} offload, {tag}) GPU ms median/max", f"{g[len(g) // 2]:.3f}/{g[-1]:.3f}")
+                report(f"handoff {name} ({kind} offload, {tag}) host ms median", f"{h[len(h) // 2]:.3f}")
 
 
 @torch.no_grad()
@@ -103,12 +120,14 @@ def offload_overhead() -> None:
     args = dit_inputs(p, frames=4)
     off = BlockOffloader(model, CudaTransfer(DEV))
     with off.stage():
-        model(*args)  # warm-up
+        out_streamed = model(*args)  # warm-up
         streamed = gpu_ms(lambda: model(*args), repeats=5)
     off.remove()
     resident_model = model.to(DEV)
-    resident_model(*args)
+    out_resident = resident_model(*args)
     resident = gpu_ms(lambda: resident_model(*args), repeats=5)
+    # Same weights, same kernels: any difference means a block ran before its copy landed.
+    report("block offload output max |diff| vs resident", float((out_streamed - out_resident).abs().max()))
     report("DiT params (B)", round(sum(x.numel() for x in model.parameters()) / 1e9, 3))
     report("DiT forward resident ms", round(resident, 2))
     report("DiT forward block-offload ms", round(streamed, 2))

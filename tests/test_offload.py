@@ -15,6 +15,7 @@ from avatar_cli.models.dit import DiT
 from avatar_cli.models.family import SIZES
 from avatar_cli.models.text import TextEncoder
 from avatar_cli.runtime import numa
+from avatar_cli.runtime.placement import Placement
 from avatar_cli.runtime.offload import ALIGN, BlockOffloader, HostTransfer, ModelOffloader, choose_offload
 
 DEPTH = 4  # more blocks than buffers, so blocks really stream through the double buffer
@@ -129,6 +130,26 @@ def test_model_offload_holds_whole_model_only_during_stage():
     assert t.peak_bytes == _padded(model.parameters())
 
 
+@torch.no_grad()
+def test_a_stage_prefetches_the_next_stage_model_so_the_handoff_waits_for_no_copy():
+    plain = _dit()
+    a, b = copy.deepcopy(plain), copy.deepcopy(plain)
+    t = HostTransfer()
+    placement = Placement(offloaders={"a": ModelOffloader(a, t, name="a"), "b": BlockOffloader(b, t, name="b")})
+    args = _inputs()
+    with placement.stage("a", then="b"):
+        assert t.loads == ["a: model", "b: root", "b: block 0"]  # b's copy is on its way while a computes
+        assert not any(t.is_device(p) for p in b.parameters())  # on its way, not yet in use
+        a(*args)
+    issued = len(t.loads)
+    with placement.stage("b", then="a"):
+        assert t.loads[issued:issued + 1] == ["a: model"]  # b's begin issued no copy of its own: prefetched
+        assert torch.equal(b(*args), plain(*args))
+    assert t.live_bytes > 0  # a's prefetch is still on the device ...
+    placement.release()
+    assert t.live_bytes == 0 and not any(t.is_device(p) for m in (a, b) for p in m.parameters())  # ... until released
+
+
 def test_offload_keeps_channels_last_weights_channels_last():
     conv = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Conv2d(8, 4, 1)).to(memory_format=torch.channels_last)
     x = torch.randn(1, 3, 9, 9).to(memory_format=torch.channels_last)
@@ -155,6 +176,8 @@ def test_choose_offload_decides_from_free_memory_and_logs(caplog):
     with caplog.at_level(logging.INFO, logger="avatar_cli.runtime.offload"):
         assert choose_offload("auto", 70 * gib, sizes, working_bytes=8 * gib) == "none"
         assert choose_offload("auto", 40 * gib, sizes, working_bytes=8 * gib) == "model"
+        # The DiT alone would fit in 37, but not beside the SR it prefetches for the next stage.
+        assert choose_offload("auto", 37 * gib, sizes, working_bytes=8 * gib) == "block"
         assert choose_offload("auto", 20 * gib, sizes, working_bytes=8 * gib) == "block"
         assert choose_offload("block", 80 * gib, sizes) == "block"
     assert "auto chose block" in caplog.text and "free 20.00 GiB" in caplog.text
@@ -217,3 +240,15 @@ def test_unknown_node_changes_nothing_and_logs_one_line(tmp_path, monkeypatch, c
         assert numa.bind_to_gpu_node(torch.device("cuda", 0), tmp_path) is None
     assert len(caplog.records) == 1 and "unknown" in caplog.text
     assert numa.bind_to_gpu_node(torch.device("cpu")) is None
+
+
+def test_gpu_check_script_imports_and_uses_the_offload_api_as_it_is():
+    """bench/gpu_check.py only runs where a GPU is lent; at least it must import and name real functions."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", Path(__file__).parent.parent / "bench" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for name in ("handoff", "offload_overhead", "encode_fps", "renders", "main"):
+        assert callable(getattr(module, name))
+    assert all(hasattr(cls, "prefetch") for cls in (module.BlockOffloader, module.ModelOffloader))

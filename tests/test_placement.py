@@ -34,19 +34,26 @@ def test_offloaded_render_equals_resident_and_leaves_nothing_on_the_device(job_d
     assert placement.offload == offload and set(placement.offloaders) == {"vae", "dit", "sr", "audio", "text"}
     assert t.live_bytes == 0  # every stage dropped its model when it ended
     assert not any(t.is_device(p) for m in ("dit", "vae") for p in placement.offloaders[m].params())
-    # One stage runs at a time: the device never held more than the largest stage's bound.
-    assert 0 < t.peak_bytes <= max(o.bound_bytes for o in placement.offloaders.values())
+    # One stage runs at a time, with the next one's copy on its way: never more than the two largest bounds.
+    assert 0 < t.peak_bytes <= sum(sorted(o.bound_bytes for o in placement.offloaders.values())[-2:])
     if offload == "block":
         dit_bytes = sum(p.nbytes for p in placement.offloaders["dit"].params())
-        assert t.peak_bytes < dit_bytes  # the DiT never was on the device whole
-        # Between one model's "root" load and the next model's, blocks load in order, wrapping to 0 per step.
-        runs = " ".join(t.loads).replace("model", "root").split("root")
-        for run in filter(str.strip, runs):
-            idx = [int(i) for i in run.split()[1::2]]
-            assert idx[0] == 0 and all(b in (a + 1, 0) for a, b in zip(idx, idx[1:])), idx
-        assert t.loads.count("root") >= 2 and "block 3" in t.loads
+        assert placement.offloaders["dit"].bound_bytes < 0.6 * dit_bytes  # the DiT is never on the device whole
+        # Per model (their copies interleave: the next stage's starts during this one), blocks load in
+        # order after each "root" load, wrapping to 0 for the next denoising step.
+        per_model: dict[str, list[str]] = {}
+        for label in t.loads:
+            name, what = label.split(": ")
+            per_model.setdefault(name, []).append(what)
+        for name, seq in per_model.items():
+            if seq[0] == "model":  # no blocks (VAE, audio encoder): whole
+                continue
+            for run in filter(str.strip, " ".join(seq).split("root")):
+                idx = [int(i) for i in run.split()[1::2]]
+                assert idx[0] == 0 and all(b in (a + 1, 0) for a, b in zip(idx, idx[1:])), (name, idx)
+        assert per_model["dit"].count("root") >= 2 and "block 3" in per_model["dit"]
     else:
-        assert set(t.loads) == {"model"}
+        assert {label.split(": ")[1] for label in t.loads} == {"model"}
 
 
 def test_auto_chooses_from_free_memory_and_logs(job_dir: Path, caplog):

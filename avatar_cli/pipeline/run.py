@@ -95,6 +95,14 @@ class Pipeline:
 
         With `resume`, the schedule continues at `resume.next_chunk` from the saved rolling state.
         """
+        try:
+            return self._run(spec, image, audio, total_frames, sink, size, on_chunk, on_stretch, resume)
+        finally:
+            self.placement.release()  # the next chunk's prefetched model, or a stage an error left open
+
+    def _run(self, spec: JobSpec, image: torch.Tensor, audio: AudioSource, total_frames: int, sink: FrameSink,
+             size: tuple[int, int], on_chunk: Callable[[ChunkDone], None], on_stretch: Callable[[Stretch], None],
+             resume: ResumeFrom | None) -> RenderStats:
         t0 = time.perf_counter()
         timer = StageTimer(self.runtime)
         ttff: float | None = None
@@ -106,32 +114,35 @@ class Pipeline:
             self.context.release_before(audio, chunks[first].start - 1, fps)
 
         # 1. Reference and prompt conditioning: computed once, kept for the whole job.
-        stage = self.placement.stage  # brings a stage's models onto the device, and drops them after
-        with timer("reference"), stage("vae"):
+        # Each stage brings its model onto the device and drops it after; `then` starts copying the next
+        # stage's model in while this one computes (with offload; otherwise these are no-ops).
+        stage = self.placement.stage
+        with timer("reference"), stage("vae", then="text"):
             ref = self.reference.run(image, self.config.low_size)
-        with timer("context"), stage("text"):
+        with timer("context"), stage("text", then="audio"):
             text = self.context.encode_prompt(spec.prompt)
 
         for i in range(first, len(chunks)):
             chunk = chunks[i]
             # 2. Context: audio features for the chunk's frames, noise, and the given frames.
             given = self._given(chunk, state)
-            with timer("context"), stage("audio"):
+            with timer("context"), stage("audio", then="dit"):
                 ctx = self.context.run(chunk, audio, fps, text, given, spec.seed, self.latent_shape)
                 # Later chunks start at most one frame before this one (an I chunk's first anchor).
                 self.context.release_before(audio, chunk.start - 1, fps)
             # 3. Audio-to-video: sample the chunk's low-resolution latents.
-            with timer("a2v"), stage("dit"):
+            publishes = chunk.publish_to > state.published  # then super-resolution runs next
+            with timer("a2v"), stage("dit", then="sr" if publishes else "audio"):
                 z = self.a2v.run(ctx, ref, s.steps, s.guidance, s.shift)  # (L, C, h, w)
             self._keep(chunk, z, state, keep_tail=max(1, spec.chunking.motion_frames))
 
             # 4. Publish what no later chunk can change: super-resolve, decode, hand to the encoder.
             final = state.take_final(chunk.publish_to)
             if final is not None:
-                with timer("sr"), stage("sr"):
+                with timer("sr"), stage("sr", then="vae"):
                     z_hi = self.sr.run(final, ref)
                 hashing = HashingSink(sink)
-                with timer("decode"), stage("vae"):
+                with timer("decode"), stage("vae", then="audio"):
                     state.decode_cache, n = self.publish.run(z_hi, state.decode_cache, hashing, size)
                 state.published += n
                 if ttff is None:

@@ -6,7 +6,8 @@
   copied into the other on a side stream (double buffer). The compute stream waits on the copy's
   event, and a copy into a buffer waits on the event recorded after the previous user's kernels;
   nothing calls synchronize;
-- the parameters outside the blocks (embedders, final layer) are loaded once when the stage starts;
+- the parameters outside the blocks (embedders, final layer) are loaded once per stage; `prefetch()`
+  issues that copy and block 0's while the stage before still computes, so the handoff waits for no copy;
 - when the stage ends the device copies are dropped by pointing each `param.data` back at its host
   view: nothing is copied back (inference never changes a weight).
 `ModelOffloader` (policy "model") does the same with the whole model as one slab: on the device for
@@ -56,10 +57,16 @@ class CudaTransfer:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     def device_empty(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        # Allocated on the load stream, the stream that writes it first. Memory the compute stream freed
+        # is then never handed to a copy that could overwrite it while a kernel still reads it (the caching
+        # allocator reuses a block only on the stream it belongs to).
+        with torch.cuda.stream(self.stream):
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def free(self, buf: torch.Tensor) -> None:
-        pass  # the caching allocator takes it back; the offloader made compute wait on every copy first
+        # The compute stream read it: the allocator must not reuse it (for the next copy) before those
+        # kernels are done. record_stream makes it wait on an event, not the host.
+        buf.record_stream(torch.cuda.current_stream(self.device))
 
     def load(self, dst: torch.Tensor, src: torch.Tensor, after: Any, label: str) -> torch.cuda.Event:
         with torch.cuda.stream(self.stream):
@@ -199,6 +206,8 @@ def _unique_params(module: nn.Module) -> list[nn.Parameter]:
 class _Stage:
     """`with offloader.stage():` brings the model onto the device for a stage and drops it after."""
 
+    def prefetch(self) -> None: ...
+
     def begin(self) -> None: ...
 
     def end(self) -> None: ...
@@ -220,13 +229,14 @@ class BlockOffloader(_Stage):
     around: the last block starts block 0's copy for the next step.
     """
 
-    def __init__(self, model: nn.Module, transfer: Transfer, blocks: nn.ModuleList | None = None):
+    def __init__(self, model: nn.Module, transfer: Transfer, blocks: nn.ModuleList | None = None, name: str = ""):
         self.transfer = transfer
         blocks = blocks if blocks is not None else model.blocks
         in_blocks = {id(p) for b in blocks for p in b.parameters()}
         root = [p for p in _unique_params(model) if id(p) not in in_blocks]
-        self.root = _pack("root", root, transfer)
-        self.blocks = [_pack(f"block {i}", _unique_params(b), transfer) for i, b in enumerate(blocks)]
+        prefix = f"{name}: " if name else ""
+        self.root = _pack(prefix + "root", root, transfer)
+        self.blocks = [_pack(f"{prefix}block {i}", _unique_params(b), transfer) for i, b in enumerate(blocks)]
         self.block_bytes = max(g.nbytes for g in self.blocks)
         self.active = False
         self._bufs: list[torch.Tensor] = []  # 2 device buffers of block_bytes
@@ -235,6 +245,7 @@ class BlockOffloader(_Stage):
         self._pending: dict[int, tuple[int, Any]] = {}  # block -> (buffer, copy-done event)
         self._free_after: list[Any] = [None, None]  # per buffer: compute event its next copy waits for
         self._current: int | None = None
+        self._root_done: Any = None  # the root's copy, issued by prefetch() or begin()
         self._hooks = [model.register_forward_pre_hook(lambda *_: None if self.active else self.begin())]
         self._hooks += [b.register_forward_pre_hook(self._enter_hook(i)) for i, b in enumerate(blocks)]
 
@@ -246,30 +257,38 @@ class BlockOffloader(_Stage):
         """Device bytes this offloader ever holds: the non-block parameters and two block buffers."""
         return self.root.nbytes + 2 * self.block_bytes
 
-    def begin(self) -> None:
-        if self.active:
+    def prefetch(self) -> None:
+        """Start copying the non-block parameters and block 0 in, without waiting: call it while the stage
+        before runs, and this stage's begin() finds them there (the handoff costs no copy)."""
+        if self.active or self._root_done is not None:
             return
         t = self.transfer
         self._root_buf = t.device_empty(max(self.root.nbytes, ALIGN))
         self._bufs = [t.device_empty(self.block_bytes) for _ in range(2)]
-        self.active = True
-        root_done = t.load(self._root_buf[:self.root.nbytes], self.root.slab[:self.root.nbytes], None, "root")
+        self._root_done = t.load(self._root_buf[:self.root.nbytes], self.root.slab[:self.root.nbytes], None,
+                                 self.root.label)
         self._issue(0, 0)  # block 0 rides the load stream right behind: it lands while the embedders run
-        t.wait(root_done)
+
+    def begin(self) -> None:
+        if self.active:
+            return
+        self.prefetch()
+        self.transfer.wait(self._root_done)
         self.root.point_at(self.root.views(self._root_buf))
+        self.active = True
 
     def end(self) -> None:
-        """Drop every device copy by pointer swap and give the buffers back."""
-        if not self.active:
+        """Drop every device copy by pointer swap and give the buffers back (also a prefetch never used)."""
+        if not self.active and self._root_done is None:
             return
         t = self.transfer
-        for _, done in self._pending.values():
+        for done in [self._root_done, *(d for _, d in self._pending.values())]:
             t.wait(done)  # a buffer must not be reused while a copy into it is in flight
         for g in [self.root] + self.blocks:
             g.point_at(g.host_views)
         for buf in [self._root_buf, *self._bufs]:
             t.free(buf)
-        self._root_buf, self._bufs = None, []
+        self._root_buf, self._bufs, self._root_done = None, [], None
         self._resident, self._pending, self._free_after, self._current = [None, None], {}, [None, None], None
         self.active = False
 
@@ -326,11 +345,12 @@ class BlockOffloader(_Stage):
 class ModelOffloader(_Stage):
     """Policy "model": the whole model is one slab, on the device for its stage and dropped after."""
 
-    def __init__(self, model: nn.Module, transfer: Transfer):
+    def __init__(self, model: nn.Module, transfer: Transfer, name: str = ""):
         self.transfer = transfer
-        self.group = _pack("model", _unique_params(model), transfer)
+        self.group = _pack(f"{name}: model" if name else "model", _unique_params(model), transfer)
         self.active = False
         self._buf: torch.Tensor | None = None
+        self._done: Any = None  # the copy in, issued by prefetch() or begin()
         self._hook = model.register_forward_pre_hook(lambda *_: None if self.active else self.begin())
 
     def params(self) -> list[nn.Parameter]:
@@ -340,21 +360,29 @@ class ModelOffloader(_Stage):
     def bound_bytes(self) -> int:
         return self.group.nbytes
 
-    def begin(self) -> None:
-        if self.active:
+    def prefetch(self) -> None:
+        """Start the copy in without waiting (while the stage before runs); begin() then only waits on it."""
+        if self.active or self._done is not None:
             return
         t, g = self.transfer, self.group
         self._buf = t.device_empty(max(g.nbytes, ALIGN))
-        t.wait(t.load(self._buf[:g.nbytes], g.slab[:g.nbytes], None, g.label))
-        g.point_at(g.views(self._buf))
+        self._done = t.load(self._buf[:g.nbytes], g.slab[:g.nbytes], None, g.label)
+
+    def begin(self) -> None:
+        if self.active:
+            return
+        self.prefetch()
+        self.transfer.wait(self._done)
+        self.group.point_at(self.group.views(self._buf))
         self.active = True
 
     def end(self) -> None:
-        if not self.active:
+        if not self.active and self._done is None:
             return
+        self.transfer.wait(self._done)  # a prefetch never used: its copy must land before the buffer goes
         self.group.point_at(self.group.host_views)
         self.transfer.free(self._buf)
-        self._buf, self.active = None, False
+        self._buf, self._done, self.active = None, None, False
 
     def remove(self) -> None:
         self.end()
@@ -372,16 +400,18 @@ def choose_offload(policy: OffloadPolicy, free_bytes: int, model_sizes: dict[str
     model_sizes: parameter bytes per model; working_bytes: activations and workspace the largest
     stage needs on top of its weights (keep a margin: the allocator fragments).
     - "none": every model fits at once, with the working set;
-    - "model": the largest model fits whole while it runs, the rest wait in pinned host memory;
+    - "model": the largest model fits whole while it runs, beside the next stage's, prefetched (counted as
+      the second largest); the rest wait in pinned host memory;
     - "block": even that doesn't fit; stream the blocks.
     """
     if policy != "auto":
         log.info("offload: %s (set by runtime.offload)", policy)
         return policy
     total, largest = sum(model_sizes.values()), max(model_sizes.values(), default=0)
+    two = sum(sorted(model_sizes.values())[-2:])
     if total + working_bytes <= free_bytes:
         choice = "none"
-    elif largest + working_bytes <= free_bytes:
+    elif two + working_bytes <= free_bytes:
         choice = "model"
     else:
         choice = "block"

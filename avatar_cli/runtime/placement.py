@@ -41,11 +41,17 @@ class Placement:
     offload: str = "none"
 
     @contextlib.contextmanager
-    def stage(self, *names: str) -> Iterator[None]:
-        """Bring the stage's models in for its duration; afterwards drop them (offload) or reshard (FSDP)."""
+    def stage(self, *names: str, then: str | None = None) -> Iterator[None]:
+        """Bring the stage's models in for its duration; afterwards drop them (offload) or reshard (FSDP).
+
+        then: the model the next stage runs. Its copy in starts now, on the load stream, and overlaps this
+        stage's compute, so the handoff between the two stages waits for no copy.
+        """
         for name in names:
             if name in self.offloaders:
                 self.offloaders[name].begin()
+        if then in self.offloaders:
+            self.offloaders[then].prefetch()
         try:
             yield
         finally:
@@ -54,6 +60,12 @@ class Placement:
                     self.offloaders[name].end()
                 if self.reshard_per_stage and name in self.sharded:
                     reshard_stage(self.sharded[name])
+
+
+    def release(self) -> None:
+        """Drop whatever is still on the device: a prefetch no stage used, a stage an error left open."""
+        for offloader in self.offloaders.values():
+            offloader.end()
 
 
 def resident_bytes(model: torch.nn.Module, world_size: int, reshard: str) -> int:
@@ -129,9 +141,9 @@ def _offload_replicated(modules: Mapping[str, Module], runtime: Runtime, choice:
             continue
         module.to("cpu", runtime.dtype)
         if choice == "block" and hasattr(module.model, "blocks"):
-            placement.offloaders[name] = BlockOffloader(module.model, transfer)
+            placement.offloaders[name] = BlockOffloader(module.model, transfer, name=name)
         else:
-            placement.offloaders[name] = ModelOffloader(module.model, transfer)
+            placement.offloaders[name] = ModelOffloader(module.model, transfer, name=name)
 
 
 def _known(free_bytes: int | None) -> int:
