@@ -60,6 +60,18 @@ def parallelize_model(model: nn.Module, mesh: DeviceMesh, *, reshard: Reshard = 
     return model
 
 
+def prefetch_stage(model: nn.Module) -> None:
+    """Start the all-gathers a sharded model's forward begins with (its root parameters and block 0), async.
+
+    Called while the stage before runs: the next stage's first forward then finds them done (FSDP2 waits
+    on a pending unshard in the pre-forward). A collective: every rank calls it at the same point of the
+    schedule, as they do everything else. A no-op for a model that was not sharded.
+    """
+    for m in (model, model.blocks[0]):
+        if isinstance(m, FSDPModule):
+            m.unshard(async_op=True)
+
+
 def reshard_stage(model: nn.Module) -> None:
     """Free the gathered parameters kept by reshard="per_stage" (call when the stage ends).
 

@@ -26,7 +26,7 @@ from avatar_cli.runtime.device import Runtime
 from avatar_cli.runtime.distributed import Dist
 from avatar_cli.runtime.offload import (BlockOffloader, CudaTransfer, ModelOffloader, Transfer, choose_offload,
                                         model_bytes)
-from avatar_cli.runtime.parallelize import gpu_param_dtype, parallelize_model, reshard_stage
+from avatar_cli.runtime.parallelize import gpu_param_dtype, parallelize_model, prefetch_stage, reshard_stage
 from avatar_cli.runtime.sequence_parallel import SequenceParallelDiT
 
 log = logging.getLogger(__name__)
@@ -44,14 +44,16 @@ class Placement:
     def stage(self, *names: str, then: str | None = None) -> Iterator[None]:
         """Bring the stage's models in for its duration; afterwards drop them (offload) or reshard (FSDP).
 
-        then: the model the next stage runs. Its copy in starts now, on the load stream, and overlaps this
-        stage's compute, so the handoff between the two stages waits for no copy.
+        then: the model the next stage runs. Its copy in (offload) or its first all-gathers (FSDP) start
+        now and overlap this stage's compute, so the handoff between the two stages waits for neither.
         """
         for name in names:
             if name in self.offloaders:
                 self.offloaders[name].begin()
         if then in self.offloaders:
             self.offloaders[then].prefetch()
+        if then in self.sharded:
+            prefetch_stage(self.sharded[then])
         try:
             yield
         finally:
