@@ -26,7 +26,7 @@ from avatar_cli.pipeline.run import ChunkDone, Pipeline, ResumeFrom, Stretch
 from avatar_cli.pipeline.schedule import num_frames
 from avatar_cli.report import Reporter, peak_rss_mb
 from avatar_cli.runtime.device import Runtime, resolve_runtime
-from avatar_cli.runtime.distributed import Dist, current_dist
+from avatar_cli.runtime.distributed import Dist, current_dist, launched_by_torchrun
 from avatar_cli.runtime.numa import bind_to_gpu_node
 from avatar_cli.runtime.offload import Transfer
 from avatar_cli.runtime.placement import Placement, place
@@ -142,13 +142,19 @@ class NullSink:
 
 
 def setup_runtime(spec) -> tuple[Runtime, Dist]:
-    """Device, dtype and (under torchrun) the process group; on a GPU, bind to its NUMA node first."""
+    """Device, dtype and (under torchrun) the process group; on a GPU, bind to its NUMA node first.
+
+    The binding comes before the process group: NCCL, initialized eagerly for our device, allocates its
+    own pinned host buffers, and those too should sit on the GPU's node.
+    """
     runtime = resolve_runtime(spec.runtime)
-    dist = current_dist(runtime.device.type)
-    if dist.enabled and runtime.is_cuda:
-        runtime = Runtime(torch.device("cuda", dist.local_rank), runtime.dtype)
     if runtime.is_cuda:
-        bind_to_gpu_node(runtime.device)  # before any pinned host memory is allocated
+        index = int(os.environ["LOCAL_RANK"]) if launched_by_torchrun() else torch.cuda.current_device()
+        runtime = Runtime(torch.device("cuda", index), runtime.dtype)
+        cpus = bind_to_gpu_node(runtime.device)
+        if cpus and spec.runtime.threads <= 0:
+            torch.set_num_threads(min(torch.get_num_threads(), len(cpus)))  # no more threads than our CPUs
+    dist = current_dist(runtime.device.type)
     return runtime, dist
 
 
