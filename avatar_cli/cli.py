@@ -100,7 +100,8 @@ def render(
     if nproc > 1:
         from avatar_cli.runtime.launch import relaunch
 
-        raise typer.Exit(relaunch(nproc, _without_nproc(sys.argv[1:])))
+        raise typer.Exit(relaunch(nproc, _without_nproc(sys.argv[1:]),
+                                  debug or os.environ.get("AVATAR_DEBUG") == "1"))
 
     debug = debug or os.environ.get("AVATAR_DEBUG") == "1"
 

@@ -150,6 +150,9 @@ def setup_runtime(spec) -> tuple[Runtime, Dist]:
     runtime = resolve_runtime(spec.runtime)
     if runtime.is_cuda:
         index = int(os.environ["LOCAL_RANK"]) if launched_by_torchrun() else torch.cuda.current_device()
+        if index >= torch.cuda.device_count():
+            raise InputError(f"runtime: this worker is local rank {index} but only {torch.cuda.device_count()} "
+                             "GPU(s) are visible: start at most one process per GPU (--nproc)")
         runtime = Runtime(torch.device("cuda", index), runtime.dtype)
         cpus = bind_to_gpu_node(runtime.device)
         if cpus and spec.runtime.threads <= 0:

@@ -140,3 +140,14 @@ def test_default_attention_op_is_sdpa_and_frame_offset_zero_is_unchanged():
     # Frame 1 of the unshifted table is frame 0 of the table shifted by one.
     assert torch.equal(cos0[n_ctx + P: n_ctx + 2 * P], cos1[n_ctx: n_ctx + P])
     assert not torch.equal(cos0, cos1)
+
+
+def test_launcher_exit_code_is_the_cause_not_the_collateral():
+    from avatar_cli.runtime.launch import exit_code, worker_threads
+
+    assert exit_code({}) == 0
+    assert exit_code({0: 2, 1: 2, 2: -15}) == 2  # bad input seen by every rank; one was SIGTERMed first
+    assert exit_code({0: 143, 1: 1}) == 1  # rank 1 raised; rank 0 was ended by the launcher
+    assert exit_code({0: 143, 1: -9}) == 1  # rank 1 killed outright: a failed render
+    assert exit_code({1: 2, 0: 1}) == 1  # rank 0's own code wins: it is what the user was told
+    assert (worker_threads(2, cpus=16), worker_threads(8, cpus=2)) == (8, 1)

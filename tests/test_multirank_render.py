@@ -118,6 +118,40 @@ def test_killing_a_rank_ends_the_render(job_dir: Path, tmp_path: Path):
         took = time.monotonic() - killed
     finally:
         proc.kill()
-    assert proc.returncode != 0
+    assert proc.returncode == 1  # a render failure: the dead rank's, not the survivor's collateral SIGTERM
     assert took < 60, f"took {took:.1f} s"
     assert not out.exists()
+
+
+def test_ctrl_c_on_the_launcher_ends_every_rank_and_keeps_the_partial(job_dir: Path, tmp_path: Path):
+    import signal
+
+    from tests.conftest import write_wav
+
+    write_wav(job_dir / "long.wav", 60.0)
+    out = tmp_path / "v.mp4"
+    proc = subprocess.Popen([sys.executable, "-m", "avatar_cli", "render", str(job_dir / "job.yaml"),
+                             f"audio={job_dir / 'long.wav'}", "-o", str(out), "--json", "--nproc", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:
+            if json.loads(line)["event"] == "chunk":
+                break
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err[-2000:]
+    assert "Traceback" not in err
+    assert not out.exists() and list(tmp_path.glob("*.partial*"))  # kept for --resume
+
+
+def test_a_rank_count_the_heads_do_not_divide_is_bad_input_without_a_traceback(job_dir: Path, tmp_path: Path):
+    out = tmp_path / "v.mp4"
+    r = subprocess.run([sys.executable, "-m", "avatar_cli", "render", str(job_dir / "job.yaml"), "-o", str(out),
+                        "--json", "--nproc", "3"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    error = json.loads(r.stdout.strip().splitlines()[-1])
+    assert error["event"] == "error" and "dit.heads=2 is not divisible by the degree 3" in error["message"]
+    assert "Traceback" not in r.stderr and "ChildFailedError" not in r.stderr and "OMP_NUM_THREADS" not in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["job.yaml", "ref.png", "speech.wav"]  # nothing written

@@ -257,6 +257,7 @@ def test_gpu_check_script_imports_and_uses_the_offload_api_as_it_is():
 def test_a_gpu_rank_binds_to_its_node_before_joining_the_process_group(monkeypatch):
     """NCCL's eager init allocates pinned host memory: the NUMA binding must come first, for LOCAL_RANK's GPU."""
     from avatar_cli import runner
+    from avatar_cli.errors import InputError
     from avatar_cli.runtime.device import Runtime
     from avatar_cli.runtime.distributed import Dist
     from avatar_cli.spec import load_job
@@ -267,11 +268,16 @@ def test_a_gpu_rank_binds_to_its_node_before_joining_the_process_group(monkeypat
     monkeypatch.setattr(runner, "launched_by_torchrun", lambda: True)
     monkeypatch.setattr(runner, "bind_to_gpu_node", lambda device: calls.append(("bind", str(device))) or {0})
     monkeypatch.setattr(runner, "current_dist", lambda kind: calls.append(("dist", kind)) or Dist())
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     threads = torch.get_num_threads()
+    spec = load_job(Path(__file__).parent.parent / "sample_inputs" / "job.yaml").spec
     try:
-        spec = load_job(Path(__file__).parent.parent / "sample_inputs" / "job.yaml").spec
         runtime, _ = runner.setup_runtime(spec)
         assert calls == [("bind", "cuda:1"), ("dist", "cuda")] and runtime.device == torch.device("cuda", 1)
         assert torch.get_num_threads() == 1  # no more threads than the node's CPUs we may use
     finally:
         torch.set_num_threads(threads)
+    # More workers than GPUs (--nproc 8 on a 1-GPU host): a one-line input error, before any GPU call.
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(InputError, match="local rank 1 but only 1 GPU"):
+        runner.setup_runtime(spec)

@@ -1,23 +1,64 @@
-"""`avatar render JOB --nproc N`: start the same command under torchrun on this host."""
+"""`avatar render JOB --nproc N`: start the same command in N worker processes on this host.
 
-import subprocess
+The workers are started by torch's elastic launcher (what `torchrun --standalone` runs), called in this
+process rather than as a `torchrun` child, so that a failed job ends like any other avatar error: the
+workers print their one-line errors, this process exits with rank 0's exit code (2 for bad input), and
+no launcher banner, log lines or Python traceback follow unless --debug is given.
+"""
+
+import logging
+import os
+import signal
 import sys
+import uuid
 
 from avatar_cli.runtime.distributed import launched_by_torchrun
 
 
-def torchrun_argv(nproc: int, cli_args: list[str]) -> list[str]:
-    """The torchrun command line for `python -m avatar_cli <cli_args>` with nproc workers on this host.
+def worker_threads(nproc: int, cpus: int | None = None) -> int:
+    """CPU threads per worker when OMP_NUM_THREADS is unset: the host's CPUs shared out (torchrun says 1)."""
+    cpus = cpus if cpus is not None else len(os.sched_getaffinity(0))
+    return max(1, cpus // nproc)
 
-    --standalone: a local rendezvous on a free port (several jobs on one host don't collide).
+
+# Exit codes of a worker the launcher itself ended (it SIGTERMs the rest once one fails): ours after the
+# SIGTERM handler, or the raw signal. Collateral, not the cause.
+_ENDED_BY_LAUNCHER = (143, -15)
+
+
+def exit_code(failures: dict[int, int]) -> int:
+    """The failed workers' exit codes by rank -> ours: the cause, not the collateral.
+
+    Rank 0's own code if it failed by itself (it is the one that reported to the user), else the lowest
+    rank's; a worker killed by a signal of its own (-9) leaves only collateral: a failed render (1).
+    """
+    own = {rank: code for rank, code in failures.items() if code > 0 and code not in _ENDED_BY_LAUNCHER}
+    if own:
+        return own[min(own)]
+    return 1 if failures else 0
+
+
+def relaunch(nproc: int, cli_args: list[str], debug: bool = False) -> int:
+    """Run `python -m avatar_cli <cli_args>` in nproc workers; returns the exit code (non-zero if any failed).
+
     cli_args must no longer contain --nproc, or each worker would launch again.
     """
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            "-m", "avatar_cli", *cli_args]
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-
-def relaunch(nproc: int, cli_args: list[str]) -> int:
-    """Run the job under torchrun and return its exit code (non-zero if any rank failed)."""
     if launched_by_torchrun():
         raise RuntimeError("--nproc given inside a torchrun worker")
-    return subprocess.run(torchrun_argv(nproc, cli_args)).returncode
+    os.environ.setdefault("OMP_NUM_THREADS", str(worker_threads(nproc)))
+    if not debug:
+        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    # --standalone: a local rendezvous on a free port (several jobs on one host don't collide).
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1)
+    try:
+        elastic_launch(config, sys.executable)("-m", "avatar_cli", *cli_args)
+    except ChildFailedError as e:
+        return exit_code({rank: f.exitcode for rank, f in e.failures.items()})
+    except SignalException as e:  # Ctrl-C or SIGTERM to this process: the launcher has ended the workers
+        return 130 if e.sigval == signal.SIGINT else 143
+    return 0

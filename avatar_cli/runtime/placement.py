@@ -21,13 +21,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from avatar_cli.errors import InputError
 from avatar_cli.modules.module import Module
 from avatar_cli.runtime.device import Runtime
 from avatar_cli.runtime.distributed import Dist
 from avatar_cli.runtime.offload import (BlockOffloader, CudaTransfer, ModelOffloader, Transfer, choose_offload,
                                         model_bytes)
 from avatar_cli.runtime.parallelize import gpu_param_dtype, parallelize_model, prefetch_stage, reshard_stage
-from avatar_cli.runtime.sequence_parallel import SequenceParallelDiT
+from avatar_cli.runtime.sequence_parallel import SequenceParallelDiT, check_degree
 
 log = logging.getLogger(__name__)
 SHARDED = ("dit", "text")  # the transformer models; the rest are small and replicated
@@ -109,6 +110,10 @@ def place(modules: Mapping[str, Module], runtime: Runtime, dist: Dist, offload: 
 def _place_sharded(modules: Mapping[str, Module], runtime: Runtime, dist: Dist, offload: str, reshard: str,
                    working_bytes: int, transfer: Transfer | None, free_bytes: int | None) -> Placement:
     """FSDP2 for the transformers, Ulysses for the DiT; offload (if chosen) from the outside of both."""
+    try:
+        check_degree(modules["dit"].model.params.heads, dist.world_size)
+    except ValueError as e:
+        raise InputError(str(e)) from None  # a choice of rank count, not a render failure: exit 2
     choice = "none"
     if transfer is not None:
         sizes = {name: resident_bytes(m.model, dist.world_size, reshard) if name in SHARDED else model_bytes(m.model)
