@@ -94,27 +94,33 @@ def rank_of(pid: int) -> int | None:
     return None
 
 
+def start_long_render(job_dir: Path, out: Path) -> subprocess.Popen:
+    """A 60 s render under --nproc 2, returned once its first chunk is done."""
+    from tests.conftest import write_wav
+
+    write_wav(job_dir / "long.wav", 60.0)
+    proc = subprocess.Popen([sys.executable, "-m", "avatar_cli", "render", str(job_dir / "job.yaml"),
+                             f"audio={job_dir / 'long.wav'}", "-o", str(out), "--json", "--nproc", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if json.loads(line)["event"] == "chunk":
+            break
+    return proc
+
+
 def test_killing_a_rank_ends_the_render(job_dir: Path, tmp_path: Path):
     import os
     import signal
     import time
 
-    from tests.conftest import write_wav
-
-    write_wav(job_dir / "long.wav", 60.0)
     out = tmp_path / "v.mp4"
-    proc = subprocess.Popen([sys.executable, "-m", "avatar_cli", "render", str(job_dir / "job.yaml"),
-                             f"audio={job_dir / 'long.wav'}", "-o", str(out), "--json", "--nproc", "2"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = start_long_render(job_dir, out)
     try:
-        for line in proc.stdout:
-            if json.loads(line)["event"] == "chunk":
-                break
         victims = [p for p in descendants(proc.pid) if rank_of(p) == 1]
         assert victims, "rank 1 not found"
         os.kill(victims[0], signal.SIGKILL)
         killed = time.monotonic()
-        proc.wait(timeout=90)
+        proc.communicate(timeout=90)
         took = time.monotonic() - killed
     finally:
         proc.kill()
@@ -126,17 +132,9 @@ def test_killing_a_rank_ends_the_render(job_dir: Path, tmp_path: Path):
 def test_ctrl_c_on_the_launcher_ends_every_rank_and_keeps_the_partial(job_dir: Path, tmp_path: Path):
     import signal
 
-    from tests.conftest import write_wav
-
-    write_wav(job_dir / "long.wav", 60.0)
     out = tmp_path / "v.mp4"
-    proc = subprocess.Popen([sys.executable, "-m", "avatar_cli", "render", str(job_dir / "job.yaml"),
-                             f"audio={job_dir / 'long.wav'}", "-o", str(out), "--json", "--nproc", "2"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = start_long_render(job_dir, out)
     try:
-        for line in proc.stdout:
-            if json.loads(line)["event"] == "chunk":
-                break
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
     finally:
