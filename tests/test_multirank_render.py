@@ -145,6 +145,7 @@ def test_ctrl_c_on_the_launcher_ends_every_rank_and_keeps_the_partial(job_dir: P
 
 
 def test_a_rank_count_the_heads_do_not_divide_is_bad_input_without_a_traceback(job_dir: Path, tmp_path: Path):
+    """--nproc 3: refused before any worker starts. torchrun by hand: each rank refuses before rendering."""
     out = tmp_path / "v.mp4"
     r = subprocess.run([sys.executable, "-m", "avatar_cli", "render", str(job_dir / "job.yaml"), "-o", str(out),
                         "--json", "--nproc", "3"], capture_output=True, text=True, timeout=120)
@@ -152,4 +153,13 @@ def test_a_rank_count_the_heads_do_not_divide_is_bad_input_without_a_traceback(j
     error = json.loads(r.stdout.strip().splitlines()[-1])
     assert error["event"] == "error" and "dit.heads=2 is not divisible by the degree 3" in error["message"]
     assert "Traceback" not in r.stderr and "ChildFailedError" not in r.stderr and "OMP_NUM_THREADS" not in r.stderr
+    assert "error (rank" not in r.stderr  # no worker ran
+
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "3",
+                        "-m", "avatar_cli", "render", str(job_dir / "job.yaml"), "-o", str(out), "--json"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    error = json.loads(r.stdout.strip().splitlines()[-1])
+    assert error["code"] == 2 and "dit.heads=2 is not divisible by the degree 3" in error["message"]
+    assert "error (rank 1): sequence parallel" in r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["job.yaml", "ref.png", "speech.wav"]  # nothing written

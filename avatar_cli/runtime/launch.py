@@ -38,6 +38,28 @@ def exit_code(failures: dict[int, int]) -> int:
     return 1 if failures else 0
 
 
+def check_rank_count(jobs: list, overrides: list[str], output: str | None, nproc: int) -> None:
+    """Fail at once, before nproc workers start and load models, if a job's DiT can't be split nproc ways.
+
+    Jobs that don't load are left to the workers, which report them as one process would.
+    """
+    from avatar_cli.errors import AvatarError, InputError
+    from avatar_cli.modules.registry import resolve_model
+    from avatar_cli.runtime.sequence_parallel import check_degree
+    from avatar_cli.spec import load_job
+
+    for path in jobs:
+        try:
+            job = load_job(path, overrides, output)
+            heads = resolve_model(job.model, job.path.parent).config.dit.heads
+        except AvatarError:
+            continue
+        try:
+            check_degree(heads, nproc)
+        except ValueError as e:
+            raise InputError(f"{path}: {e}" if len(jobs) > 1 else str(e)) from None
+
+
 def relaunch(nproc: int, cli_args: list[str], debug: bool = False) -> int:
     """Run `python -m avatar_cli <cli_args>` in nproc workers; returns the exit code (non-zero if any failed).
 
