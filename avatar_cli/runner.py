@@ -134,13 +134,6 @@ class ModelCache:
         return self.loaded[key]
 
 
-class NullSink:
-    """Ranks other than 0 compute every frame but write nothing."""
-
-    def put(self, frames) -> None:
-        pass
-
-
 def setup_runtime(spec) -> tuple[Runtime, Dist]:
     """Device, dtype and (under torchrun) the process group; on a GPU, bind to its NUMA node first.
 
@@ -247,7 +240,7 @@ def render(p: Prepared, reporter: Reporter, models: ModelCache | None = None, re
     chunks = pipeline.schedule(spec, frames)
 
     first_put = resume_from.state.published if resume_from else 0
-    writer: Mp4Writer | NullSink = NullSink()
+    writer: Mp4Writer | None = None  # ranks other than 0 compute, but write (and decode) nothing
     if main:
         make_output_folder(p.job.output)
         writer = Mp4Writer(partial, width=p.size[0], height=p.size[1], fps=spec.video.fps, total_frames=frames,

@@ -88,10 +88,13 @@ class Pipeline:
         return plan_job(spec.chunking, total_frames)
 
     @torch.no_grad()  # not inference_mode: FSDP2 (multi-GPU) breaks under it in torch 2.14
-    def run(self, spec: JobSpec, image: torch.Tensor, audio: AudioSource, total_frames: int, sink: FrameSink,
+    def run(self, spec: JobSpec, image: torch.Tensor, audio: AudioSource, total_frames: int, sink: FrameSink | None,
             size: tuple[int, int], on_chunk: Callable[[ChunkDone], None] = lambda _: None,
             on_stretch: Callable[[Stretch], None] = lambda _: None, resume: ResumeFrom | None = None) -> RenderStats:
         """image (3, S, S) in [-1, 1] at the native size; size (width, height) of the output frames.
+
+        sink None: a rank other than 0 under torchrun, which writes nothing; it runs every stage whose
+        work the ranks share or split, and skips the VAE decode.
 
         With `resume`, the schedule continues at `resume.next_chunk` from the saved rolling state.
         """
@@ -100,7 +103,7 @@ class Pipeline:
         finally:
             self.placement.release()  # the next chunk's prefetched model, or a stage an error left open
 
-    def _run(self, spec: JobSpec, image: torch.Tensor, audio: AudioSource, total_frames: int, sink: FrameSink,
+    def _run(self, spec: JobSpec, image: torch.Tensor, audio: AudioSource, total_frames: int, sink: FrameSink | None,
              size: tuple[int, int], on_chunk: Callable[[ChunkDone], None], on_stretch: Callable[[Stretch], None],
              resume: ResumeFrom | None) -> RenderStats:
         t0 = time.perf_counter()
@@ -139,11 +142,14 @@ class Pipeline:
             # 4. Publish what no later chunk can change: super-resolve, decode, hand to the encoder.
             final = state.take_final(chunk.publish_to)
             if final is not None:
-                with timer("sr"), stage("sr", then="vae"):
+                with timer("sr"), stage("sr", then="vae" if sink is not None else "audio"):
                     z_hi = self.sr.run(final, ref)
                 hashing = HashingSink(sink)
-                with timer("decode"), stage("vae", then="audio"):
-                    state.decode_cache, n = self.publish.run(z_hi, state.decode_cache, hashing, size)
+                if sink is None:  # a rank that writes nothing: its frames would be thrown away
+                    n = z_hi.shape[0]
+                else:
+                    with timer("decode"), stage("vae", then="audio"):
+                        state.decode_cache, n = self.publish.run(z_hi, state.decode_cache, hashing, size)
                 state.published += n
                 if ttff is None:
                     ttff = time.perf_counter() - t0

@@ -1,7 +1,8 @@
 """Where each model lives while a job runs, applied from outside the models.
 
 - Several ranks (torchrun): the DiT and the text encoder are FSDP2-sharded per block, and the DiT runs
-  Ulysses sequence parallel; the small models (VAE, SR, audio encoder) are replicated.
+  Ulysses sequence parallel; the small models (VAE, SR, audio encoder) are replicated, and the ranks
+  split the SR's frames (frame parallel).
 - `runtime.offload` (auto | none | model | block), on one GPU and on several: idle models wait in pinned
   host memory. One GPU: a stage's model comes onto the GPU when the stage starts (block by block,
   double-buffered, for "block") and is dropped by pointer swap when it ends. Several GPUs: the sharded
@@ -25,6 +26,7 @@ from avatar_cli.errors import InputError
 from avatar_cli.modules.module import Module
 from avatar_cli.runtime.device import Runtime
 from avatar_cli.runtime.distributed import Dist
+from avatar_cli.runtime.frame_parallel import FrameParallel
 from avatar_cli.runtime.offload import (BlockOffloader, CudaTransfer, ModelOffloader, Transfer, choose_offload,
                                         model_bytes)
 from avatar_cli.runtime.parallelize import gpu_param_dtype, parallelize_model, prefetch_stage, reshard_stage
@@ -134,8 +136,9 @@ def _place_sharded(modules: Mapping[str, Module], runtime: Runtime, dist: Dist, 
     else:
         _offload_replicated(replicated, runtime, choice, transfer, placement)
     modules["dit"].model = SequenceParallelDiT(modules["dit"].model, dist.group)
-    log.info("placement: %s sharded over %d ranks (reshard %s%s); DiT sequence parallel", ", ".join(SHARDED),
-             dist.world_size, reshard, ", shards in pinned host memory" if choice != "none" else "")
+    modules["sr"].model = FrameParallel(modules["sr"].model, dist.group)
+    log.info("placement: %s sharded over %d ranks (reshard %s%s); DiT sequence parallel; SR frame parallel",
+             ", ".join(SHARDED), dist.world_size, reshard, ", shards in pinned host memory" if choice != "none" else "")
     return placement
 
 

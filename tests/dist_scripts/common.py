@@ -29,3 +29,13 @@ def inputs(p: DiTParams, frames: int, text_tokens: int = 3, seed: int = 1) -> tu
     ref_hi = torch.randn(1, c, 2 * s, 2 * s, generator=g)  # (B, C, 2h, 2w)
     text = torch.randn(1, text_tokens, p.text_dim, generator=g)  # (B, Nt, T)
     return x, t, mask, audio, ref_lo, ref_hi, text
+
+
+def exit_now(code: int) -> None:
+    """Leave like an avatar torchrun worker does (see avatar_cli.cli.main): no C++ teardown at exit."""
+    import os
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

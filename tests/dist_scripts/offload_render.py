@@ -12,8 +12,10 @@ from pathlib import Path
 
 from avatar_cli import runner
 from avatar_cli.report import QuietReporter
+from avatar_cli.runtime.distributed import shutdown_distributed
 from avatar_cli.runtime.offload import HostTransfer
 from avatar_cli.spec import load_job
+from common import exit_now
 
 
 def render(job: Path, name: str, offload: str, cache: runner.ModelCache) -> dict:
@@ -40,6 +42,7 @@ def main() -> int:
           and 0 < t.peak_bytes)
     if off["ranks"] == 2 and int(__import__("os").environ["RANK"]) == 0:
         print(json.dumps({"ok": ok, **result}), flush=True)
+    shutdown_distributed()
     return 0 if ok else 1
 
 
@@ -55,4 +58,4 @@ def _fsdp_params(model):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

@@ -13,10 +13,12 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from avatar_cli.models.family import SIZES
+from avatar_cli.models.sr import SuperRes
 from avatar_cli.runtime.distributed import init_distributed
+from avatar_cli.runtime.frame_parallel import FrameParallel
 from avatar_cli.runtime.parallelize import parallelize_model, prefetch_stage, reshard_stage
 from avatar_cli.runtime.sequence_parallel import SequenceParallelDiT
-from common import inputs, tiny_dit
+from common import exit_now, inputs, tiny_dit
 
 # Relative to max |output|: a frame-predicting DiT's velocity divides by 1 - t, so outputs reach |100| near t = 1;
 # float32 reduction-order noise is below 1e-6 of that.
@@ -76,6 +78,24 @@ def main() -> int:
         agreed = d.agree(frames, "frame count")
         ok &= agreed == frames and d.broadcast_object(d.rank) == 0
 
+    # Frame-parallel SR: each rank runs ceil(T / 2) frames (padded), every rank gets all T back, as one rank would.
+    torch.manual_seed(2)
+    sr = SuperRes(SIZES["tiny"].sr).eval()
+    seen: list[int] = []
+    sr.register_forward_pre_hook(lambda _m, args: seen.append(args[0].shape[0]))
+    parallel = FrameParallel(sr, d.group)
+    c, s = SIZES["tiny"].sr.latent_channels, p.latent_size
+    ref_hi = torch.randn(1, c, 2 * s, 2 * s)
+    for frames in (5, 4, 1):
+        x = torch.randn(frames, c, s, s).contiguous(memory_format=torch.channels_last)
+        want = sr(x, ref_hi)
+        seen.clear()
+        got = parallel(x, ref_hi)
+        diff = (got - want).abs().max().item() / max(want.abs().max().item(), 1.0)
+        results[f"sr/T{frames}/step0"] = diff
+        ok &= got.shape == want.shape and diff < TOL and seen == [-(-frames // 2)]
+        ok &= got.is_contiguous(memory_format=torch.channels_last)
+
     # A head count the degree does not divide must fail at construction, naming both numbers.
     try:
         SequenceParallelDiT(tiny_dit(params=dataclasses.replace(p, heads=1)), d.group)
@@ -92,4 +112,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())
