@@ -120,7 +120,7 @@ def render(
 
             if not torch.cuda.is_available():
                 reporter.info(f"note: no GPU here: the {nproc} workers share this host's CPUs, which is slower than "
-                              "one process (measured 1.8x slower on 2 cores); --nproc is meant for GPUs")
+                              "one process (measured 1.6x slower on 2 cores); --nproc is meant for GPUs")
             return relaunch(nproc, _without_nproc(sys.argv[1:]), debug)
         results = run_batch(jobs, overrides, output, force, resume, fail_fast, reporter, debug)
         from avatar_cli.runtime.distributed import shutdown_distributed
