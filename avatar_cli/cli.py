@@ -13,14 +13,13 @@ from typing import Annotated, Optional
 
 import typer
 
-from avatar_cli.errors import EXIT_INTERRUPTED, AvatarError
+from avatar_cli.errors import EXIT_INTERRUPTED, EXIT_TERMINATED, AvatarError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Render talking-avatar videos of any length from a reference picture and a speech track.")
 models_app = typer.Typer(help="List the models available, or write a new model directory.")
 app.add_typer(models_app, name="models")
 
-EXIT_TERMINATED = 143
 
 JobArg = Annotated[Path, typer.Argument(help="The job spec (YAML).", show_default=False)]
 OverridesArg = Annotated[Optional[list[str]], typer.Argument(help="Dotted overrides, e.g. video.fps=30 seed=7.",
@@ -284,7 +283,7 @@ def _print_info(reporter, info: dict) -> None:
 
 
 def main() -> None:
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:  # not a torchrun worker (checked without importing torch)
         app()
         return
     # A torchrun worker leaves without the interpreter's C++ teardown: after a run, gloo's threads can still

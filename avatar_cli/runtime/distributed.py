@@ -79,7 +79,8 @@ class Dist:
 
         Without the barrier a rank that gets here first closes its connections while a peer is still
         finishing, and gloo can abort that peer in its teardown ("terminate called without an active
-        exception", SIGABRT): 2 of 15 runs of the 2-rank equivalence script did, 0 of 15 with it.
+        exception", SIGABRT): 2 of 15 runs of the 2-rank equivalence script did, 1 of 18 with it (the rest
+        happens at interpreter exit, which torchrun workers skip: see `avatar_cli.cli.main`).
         """
         if self.enabled and dist.is_initialized():
             dist.barrier(group=self.group)
@@ -125,11 +126,9 @@ def current_dist(device_type: str) -> Dist:
 
 
 def shutdown_distributed() -> None:
-    """After a run every rank finished: meet once more, then tear the process group down (`Dist.destroy`).
+    """After a run every rank finished: `Dist.destroy` (barrier, then teardown); NCCL also warns without it.
 
-    Without it a rank that finishes first exits while a peer still holds open connections to it; NCCL
-    warns about the missing destroy, and gloo can abort the slower peer in its own teardown. Not called
-    on failure: the other ranks may be gone, and the collective timeout ends them instead.
+    Not called on failure: the other ranks may be gone, and the collective timeout ends them instead.
     """
     global _CURRENT
     if _CURRENT is not None:

@@ -2,7 +2,7 @@
 
 The workers are started by torch's elastic launcher (what `torchrun --standalone` runs), called in this
 process rather than as a `torchrun` child, so that a failed job ends like any other avatar error: the
-workers print their one-line errors, this process exits with rank 0's exit code (2 for bad input), and
+workers print their one-line errors, this process exits with the cause's exit code (`exit_code`), and
 no launcher banner, log lines or Python traceback follow unless --debug is given.
 """
 
@@ -12,6 +12,7 @@ import signal
 import sys
 import uuid
 
+from avatar_cli.errors import EXIT_INTERRUPTED, EXIT_RENDER_FAILED, EXIT_TERMINATED
 from avatar_cli.runtime.distributed import launched_by_torchrun
 
 
@@ -23,7 +24,7 @@ def worker_threads(nproc: int, cpus: int | None = None) -> int:
 
 # Exit codes of a worker the launcher itself ended (it SIGTERMs the rest once one fails): ours after the
 # SIGTERM handler, or the raw signal. Collateral, not the cause.
-_ENDED_BY_LAUNCHER = (143, -15)
+_ENDED_BY_LAUNCHER = (EXIT_TERMINATED, -signal.SIGTERM)
 
 
 def exit_code(failures: dict[int, int]) -> int:
@@ -35,7 +36,7 @@ def exit_code(failures: dict[int, int]) -> int:
     own = {rank: code for rank, code in failures.items() if code > 0 and code not in _ENDED_BY_LAUNCHER}
     if own:
         return own[min(own)]
-    return 1 if failures else 0
+    return EXIT_RENDER_FAILED if failures else 0
 
 
 def check_rank_count(jobs: list, overrides: list[str], output: str | None, nproc: int) -> None:
@@ -82,5 +83,5 @@ def relaunch(nproc: int, cli_args: list[str], debug: bool = False) -> int:
     except ChildFailedError as e:
         return exit_code({rank: f.exitcode for rank, f in e.failures.items()})
     except SignalException as e:  # Ctrl-C or SIGTERM to this process: the launcher has ended the workers
-        return 130 if e.sigval == signal.SIGINT else 143
+        return EXIT_INTERRUPTED if e.sigval == signal.SIGINT else EXIT_TERMINATED
     return 0

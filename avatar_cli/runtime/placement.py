@@ -66,7 +66,6 @@ class Placement:
                 if self.reshard_per_stage and name in self.sharded:
                     reshard_stage(self.sharded[name])
 
-
     def release(self) -> None:
         """Drop whatever is still on the device: a prefetch no stage used, a stage an error left open."""
         for offloader in self.offloaders.values():
@@ -130,11 +129,7 @@ def _place_sharded(modules: Mapping[str, Module], runtime: Runtime, dist: Dist, 
         placement.sharded[name] = parallelize_model(module.model, dist.mesh, reshard=reshard,
                                                     param_dtype=param_dtype, offload=choice != "none")
     replicated = {name: m for name, m in modules.items() if name not in SHARDED}
-    if choice == "none":
-        for module in replicated.values():
-            module.to(runtime.device, runtime.dtype)
-    else:
-        _offload_replicated(replicated, runtime, choice, transfer, placement)
+    _offload_replicated(replicated, runtime, choice, transfer, placement)
     modules["dit"].model = SequenceParallelDiT(modules["dit"].model, dist.group)
     modules["sr"].model = FrameParallel(modules["sr"].model, dist.group)
     log.info("placement: %s sharded over %d ranks (reshard %s%s); DiT sequence parallel; SR frame parallel",
@@ -142,7 +137,7 @@ def _place_sharded(modules: Mapping[str, Module], runtime: Runtime, dist: Dist, 
     return placement
 
 
-def _offload_replicated(modules: Mapping[str, Module], runtime: Runtime, choice: str, transfer: Transfer,
+def _offload_replicated(modules: Mapping[str, Module], runtime: Runtime, choice: str, transfer: Transfer | None,
                         placement: Placement) -> None:
     """Whole models on the device ("none"), or in host slabs that stages bring in ("model", "block")."""
     for name, module in modules.items():
