@@ -1,4 +1,4 @@
-"""GPU check for a session with a CUDA device (issue 3). NOT RUN YET: written on a machine with no GPU.
+"""GPU check for a session with a CUDA device (issue 3). Not yet run on a GPU: no session has had one.
 
 One prepared script, under 5 minutes on one GPU; prints one line per figure and a JSON summary:
   1. stage handoff overhead (A2V -> SR -> VAE -> next chunk's A2V), CUDA events, block and model offload,
@@ -7,15 +7,29 @@ One prepared script, under 5 minutes on one GPU; prints one line per figure and 
   3. time to first frame and render fps at 512x512 (the real `render`, in process);
   4. peak GPU memory, a 30 s vs a long render (5 min if the time budget allows, else shorter: printed);
   5. h264_nvenc vs libx264 encode fps at 512x512.
-Each section is guarded: a failure prints its error and the rest still run.
+Each section is guarded: a failure prints its error and the rest still run (exit 1 if any failed).
 
-    python bench/gpu_check.py [--budget-s 270] [--long-s 300]
+    python bench/gpu_check.py [--budget-s 270] [--long-s 300] [--markdown FILE]
 
-Record the results with date, GPU and command in bench/results.md.
+--markdown writes the figures as a bench/results.md section (date, GPU, torch, command): paste it in.
+--smoke runs every section on the CPU at toy sizes (HostTransfer for the GPU, wall clock for CUDA
+events): the test suite runs it, so the script's first GPU run is not also its first run. Its figures
+mean nothing.
+
+On the lent device machine (Python 3.12, torch 2.11 there; av and omegaconf are not), once here:
+    echo /.whl/ >> .git/info/exclude
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        -d .whl av omegaconf antlr4-python3-runtime==4.9.3
+then one run, carry [".whl"], timeout_s 420:
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+    PYTHONUNBUFFERED=1 python3 bench/gpu_check.py --markdown $OUT/gpu_check.md
 """
 
 import argparse
+import datetime
 import json
+import shlex
 import sys
 import tempfile
 import time
@@ -32,10 +46,12 @@ sys.path.insert(0, str(ROOT))
 from avatar_cli.models.dit import DiT, DiTParams  # noqa: E402
 from avatar_cli.models.family import COMPONENTS, SIZES  # noqa: E402
 from avatar_cli.modules.module import random_module  # noqa: E402
-from avatar_cli.runtime.offload import BlockOffloader, CudaTransfer, ModelOffloader  # noqa: E402
+from avatar_cli.runtime.offload import BlockOffloader, ModelOffloader, make_transfer  # noqa: E402
 
 DEV = torch.device("cuda", 0)
+SMOKE = False  # --smoke: CPU, toy sizes
 RESULTS: dict[str, object] = {}
+FAILED: list[str] = []
 
 
 def report(key: str, value: object, unit: str = "") -> None:
@@ -43,15 +59,41 @@ def report(key: str, value: object, unit: str = "") -> None:
     print(f"{key}: {value}{(' ' + unit) if unit else ''}", flush=True)
 
 
+def size(gpu: int, smoke: int) -> int:
+    return smoke if SMOKE else gpu
+
+
+def mark() -> object:
+    """A point on the compute timeline: a recorded CUDA event on a GPU, the wall clock on the CPU."""
+    if DEV.type != "cuda":
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def ms_between(start: object, end: object) -> float:
+    if DEV.type != "cuda":
+        return (end - start) * 1e3
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
 def gpu_ms(fn, repeats: int = 1) -> float:
     """Mean GPU-timeline ms of fn() (CUDA events on the current stream)."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
+    start = mark()
     for _ in range(repeats):
         fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / repeats
+    return ms_between(start, mark()) / repeats
+
+
+def reset_peak() -> None:
+    if DEV.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(DEV)
+
+
+def peak_mb() -> float:
+    return torch.cuda.max_memory_allocated(DEV) / 2**20 if DEV.type == "cuda" else 0.0
 
 
 def dit_inputs(p: DiTParams, frames: int) -> tuple[torch.Tensor, ...]:
@@ -71,13 +113,15 @@ def handoff() -> None:
     prefetch (what the pipeline does: `stage(a, then=b)`), b's copy is issued when a starts; without, at
     the handoff itself.
     """
-    cfg, t = SIZES["mini"], CudaTransfer(DEV)
+    cfg, t = SIZES["mini"], make_transfer(DEV)
     models = {n: random_module(n, cls, getattr(cfg, n), 0).model.to(torch.bfloat16) for n, (_, cls) in COMPONENTS.items()}
-    x = torch.randn(4096, 4096, device=DEV, dtype=torch.bfloat16)
+    x = torch.randn(size(4096, 64), size(4096, 64), device=DEV, dtype=torch.bfloat16)
 
     def compute() -> None:
         for _ in range(20):
             x @ x  # ~1 ms each on a recent GPU
+        if DEV.type != "cuda":
+            t.wait(t.compute_mark())  # the stand-in lands queued copies only when compute waits
 
     for kind in ("block", "model"):
         for prefetch in (True, False):
@@ -86,20 +130,17 @@ def handoff() -> None:
             order = ["dit", "sr", "vae", "dit"]
             offs["dit"].begin()
             times = []
-            for _ in range(20):
+            for _ in range(size(20, 2)):
                 for a, b in zip(order[:-1], order[1:]):
                     if prefetch:
                         offs[b].prefetch()
                     compute()
-                    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    e0.record()
+                    e0 = mark()
                     h0 = time.perf_counter()
                     offs[a].end()
                     offs[b].begin()
                     host = (time.perf_counter() - h0) * 1e3
-                    e1.record()
-                    e1.synchronize()
-                    times.append((f"{a}->{b}", e0.elapsed_time(e1), host))
+                    times.append((f"{a}->{b}", ms_between(e0, mark()), host))
             offs["dit"].end()
             for o in offs.values():
                 o.remove()
@@ -114,11 +155,11 @@ def handoff() -> None:
 @torch.no_grad()
 def offload_overhead() -> None:
     """A ~1B-parameter synthetic DiT at 512x512 (64x64 latents): resident vs streamed block by block."""
-    p = DiTParams(latent_channels=16, latent_size=64, patch=2, dim=2048, depth=16, heads=16, audio_dim=128,
-                  text_dim=128, ref_hi_patch=4)
+    p = DiTParams(latent_channels=16, latent_size=size(64, 8), patch=2, dim=size(2048, 64), depth=size(16, 2),
+                  heads=size(16, 2), audio_dim=128, text_dim=128, ref_hi_patch=4)
     model = DiT(p).eval().to(torch.bfloat16)
     args = dit_inputs(p, frames=4)
-    off = BlockOffloader(model, CudaTransfer(DEV))
+    off = BlockOffloader(model, make_transfer(DEV))
     with off.stage():
         out_streamed = model(*args)  # warm-up
         streamed = gpu_ms(lambda: model(*args), repeats=5)
@@ -153,75 +194,104 @@ def render(seconds: float, work: Path) -> dict:
     from avatar_cli.spec import load_job
 
     audio = speech(seconds, work / f"speech_{int(seconds)}.wav")
+    side = size(512, 64)
     job = load_job(ROOT / "sample_inputs" / "job.yaml",
-                   [f"audio={audio}", "video.width=512", "video.height=512", "runtime.device=cuda"],
+                   [f"audio={audio}", f"video.width={side}", f"video.height={side}", f"runtime.device={DEV.type}"],
                    output=str(work / f"out_{int(seconds)}.mp4"))
-    torch.cuda.reset_peak_memory_stats(DEV)
+    reset_peak()
     with open(work / "events.jsonl", "w") as events:
         summary = run_render(prepare(job, force=True), JsonReporter(events))
-    summary["peak_gpu_mb"] = torch.cuda.max_memory_allocated(DEV) / 2**20
+    summary["peak_gpu_mb"] = peak_mb()
     return summary
 
 
 def renders(long_s: float, deadline: float) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        short = render(30.0, work)
-        report("TTFF s (30 s clip, 512x512)", short["ttff_s"])
-        report("render fps (30 s clip, 512x512)", short["render_fps"])
-        report("peak GPU MB, 30 s render", round(short["peak_gpu_mb"], 1))
-        per_s = short["generate_s"] / 30.0
-        fits = (deadline - time.monotonic() - 20) / max(per_s, 1e-6)  # keep 20 s for the encoder check
+        short_s, side = size(30, 2), size(512, 64)
+        long_s = size(long_s, 2 * short_s)
+        short = render(short_s, work)
+        report(f"TTFF s ({short_s} s clip, {side}x{side})", short["ttff_s"])
+        report(f"render fps ({short_s} s clip, {side}x{side})", short["render_fps"])
+        report(f"peak GPU MB, {short_s} s render", round(short["peak_gpu_mb"], 1))
+        per_s = short["wall_s"] / short_s
+        fits = (deadline - time.monotonic()) / max(per_s, 1e-6)
         long_s = min(long_s, fits)
-        if long_s < 60:
+        if long_s < 2 * short_s:
             report("peak GPU MB, long render", "skipped (time budget)")
             return
         long = render(long_s, work)
         report(f"peak GPU MB, {long_s:.0f} s render", round(long["peak_gpu_mb"], 1))
-        report("peak GPU ratio long / 30 s", round(long["peak_gpu_mb"] / short["peak_gpu_mb"], 3))
+        report(f"peak GPU ratio long / {short_s} s", round(long["peak_gpu_mb"] / max(short["peak_gpu_mb"], 1e-9), 3))
 
 
 def encode_fps() -> None:
     import av
 
-    frames = [np.random.default_rng(i).integers(0, 255, (512, 512, 3), dtype=np.uint8) for i in range(8)]
+    side = size(512, 64)
+    frames = [np.random.default_rng(i).integers(0, 255, (side, side, 3), dtype=np.uint8) for i in range(8)]
     for codec in ("h264_nvenc", "libx264"):
         with tempfile.TemporaryDirectory() as tmp:
             try:
                 out = av.open(str(Path(tmp) / "x.mp4"), "w")
                 s = out.add_stream(codec, rate=25)
-                s.width, s.height, s.pix_fmt = 512, 512, "yuv420p"
-                n, t0 = 300, time.perf_counter()
+                s.width, s.height, s.pix_fmt = side, side, "yuv420p"
+                n, t0 = size(300, 10), time.perf_counter()
                 for i in range(n):
                     for pkt in s.encode(av.VideoFrame.from_ndarray(frames[i % 8], format="rgb24")):
                         out.mux(pkt)
                 for pkt in s.encode():
                     out.mux(pkt)
                 out.close()
-                report(f"encode fps {codec} 512x512", round(n / (time.perf_counter() - t0), 1))
+                report(f"encode fps {codec} {side}x{side}", round(n / (time.perf_counter() - t0), 1))
             except Exception as e:  # nvenc needs the driver's libnvidia-encode
-                report(f"encode fps {codec} 512x512", f"failed: {e}")
+                report(f"encode fps {codec} {side}x{side}", f"failed: {e}")
 
 
-def main() -> None:
+def markdown(command: str) -> str:
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    cell = lambda x: str(x).replace("|", "\\|")  # noqa: E731  ("max |diff|" must not split a row)
+    rows = "\n".join(f"| {cell(k)} | {cell(v)} |" for k, v in RESULTS.items() if k not in ("GPU", "torch"))
+    failed = f"\n\nFailed sections: {', '.join(FAILED)} (tracebacks in the run's output)" if FAILED else ""
+    return (f"## GPU check, {now}\n\n- machine: {RESULTS.get('GPU')}; torch {RESULTS.get('torch')}\n"
+            f"- command: `{command}`\n\n| measure | value |\n| --- | --- |\n{rows}{failed}\n")
+
+
+def main() -> int:
+    global DEV, SMOKE
     ap = argparse.ArgumentParser()
     ap.add_argument("--budget-s", type=float, default=270.0)
     ap.add_argument("--long-s", type=float, default=300.0)
+    ap.add_argument("--markdown", type=Path, help="write the figures as a bench/results.md section here")
+    ap.add_argument("--smoke", action="store_true", help="CPU, toy sizes: checks the script runs; figures mean nothing")
     args = ap.parse_args()
+    if args.smoke:
+        DEV, SMOKE = torch.device("cpu"), True
+    elif not torch.cuda.is_available():
+        print("gpu_check: no CUDA device (use --smoke to try the script on the CPU)", file=sys.stderr)
+        return 2
     deadline = time.monotonic() + args.budget_s
-    report("GPU", torch.cuda.get_device_name(DEV))
+    report("GPU", torch.cuda.get_device_name(DEV) if DEV.type == "cuda" else "none (smoke run on the CPU)")
     report("torch", torch.__version__)
-    for section in (handoff, offload_overhead, encode_fps, lambda: renders(args.long_s, deadline)):
+    sections = {"handoff": handoff, "offload_overhead": offload_overhead, "encode_fps": encode_fps,
+                "renders": lambda: renders(args.long_s, deadline)}
+    for name, section in sections.items():
         if time.monotonic() > deadline:
-            print(f"skipped {getattr(section, '__name__', 'renders')}: over budget", flush=True)
+            print(f"skipped {name}: over budget", flush=True)
+            FAILED.append(f"{name} (over budget)")
             continue
         try:
             section()
         except Exception:
             traceback.print_exc()
-        torch.cuda.empty_cache()
+            FAILED.append(name)
+        if DEV.type == "cuda":
+            torch.cuda.empty_cache()
     print(json.dumps(RESULTS), flush=True)
+    if args.markdown:
+        args.markdown.write_text(markdown(shlex.join(["python", "bench/gpu_check.py", *sys.argv[1:]])))
+    return 1 if FAILED else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
