@@ -16,11 +16,11 @@ Each section is guarded: a failure prints its error and the rest still run (exit
 events): the test suite runs it, so the script's first GPU run is not also its first run. Its figures
 mean nothing.
 
-On the lent device machine (Python 3.12, torch 2.11 there; av and omegaconf are not), once here:
+On the lent device machine (Python 3.12, torch 2.11; typer, rich, safetensors, PyYAML there; av and
+omegaconf not), once here (two pure-abi3/pure-Python wheels, 36 MB, the versions the tests use):
     echo /.whl/ >> .git/info/exclude
     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-        -d .whl av omegaconf antlr4-python3-runtime==4.9.3
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl av==18.1.0 omegaconf==2.4.0
 then one run, carry [".whl"], timeout_s 420:
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
     PYTHONUNBUFFERED=1 python3 bench/gpu_check.py --markdown $OUT/gpu_check.md
