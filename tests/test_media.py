@@ -17,7 +17,7 @@ import torch
 from avatar_cli.errors import InputError, RenderError
 from avatar_cli.media import writer as writer_mod
 from avatar_cli.media.audio import AudioInfo, AudioWindowReader, iter_audio_chunks, probe_audio
-from avatar_cli.media.image import fit_square, load_image, save_png
+from avatar_cli.media.image import fit_square, load_image, save_png, small_image_warning
 from avatar_cli.media.writer import AAC_PRIMING, Mp4Writer, resolve_codec
 
 # ---------------------------------------------------------------- media generators
@@ -166,7 +166,7 @@ def _bad_images(tmp_path: Path) -> dict[str, tuple[Path, str]]:
         "text": (text, "cannot decode"),
         "empty": (empty, "empty"),
         "wav": (wav, "not an image"),
-        "truncated": (cut(png, tmp_path / "cut.png", 0.5), "cannot decode"),
+        "truncated": (cut(png, tmp_path / "cut.png", 0.5), "truncated or corrupt"),
     }
 
 
@@ -178,6 +178,63 @@ def test_load_image_errors(tmp_path, case):
     msg = str(info.value)
     assert msg.startswith(f"reference: {path}: ") and words in msg and "\n" not in msg
     assert info.value.exit_code == 2
+
+
+SAMPLE_REFERENCE = Path(__file__).resolve().parent.parent / "sample_inputs" / "reference.png"
+
+
+def _sample_as(tmp_path: Path, name: str) -> Path:
+    """The shipped sample face re-encoded by extension (real photo-like content, not a flat test pattern)."""
+    if name.endswith(".png"):
+        dst = tmp_path / name
+        dst.write_bytes(SAMPLE_REFERENCE.read_bytes())
+        return dst
+    codec, pix_fmt = {".jpg": ("mjpeg", "yuvj420p"), ".webp": ("libwebp", "yuv420p")}[Path(name).suffix]
+    return write_image(tmp_path / name, load_image(SAMPLE_REFERENCE), codec, pix_fmt)
+
+
+@pytest.mark.parametrize("name", ["ref.jpg", "ref.png", "ref.webp"])
+@pytest.mark.parametrize("keep", ["1000", "half", "all_but_2", "all_but_12"])
+def test_load_image_rejects_truncated_files(tmp_path, name, keep):
+    """A cut-off JPEG used to decode to half a face over a flat green block, with exit 0."""
+    whole = _sample_as(tmp_path, name)
+    assert load_image(whole).shape == (256, 256, 3)  # complete: still loads
+    data = whole.read_bytes()
+    n = {"1000": 1000, "half": len(data) // 2, "all_but_2": len(data) - 2, "all_but_12": len(data) - 12}[keep]
+    bad = tmp_path / f"cut_{name}"
+    bad.write_bytes(data[:n])
+    with pytest.raises(InputError) as info:
+        load_image(bad, what="reference")
+    msg = str(info.value)
+    assert msg.startswith(f"reference: {bad}: truncated or corrupt") and "\n" not in msg
+    assert info.value.exit_code == 2
+
+
+def test_load_image_jpeg_walk_skips_a_thumbnails_end_marker_and_allows_a_trailer(tmp_path):
+    """FFD9 inside an EXIF thumbnail is not the image's end; bytes after the real end (phone trailers) are fine."""
+    jpg = write_image(tmp_path / "s.jpg", gradient(30, 50), "mjpeg", "yuvj444p")
+    data = jpg.read_bytes()
+    app1 = b"Exif\x00\x00" + b"\xff\xd8 fake thumbnail \xff\xd9"
+    with_thumb = data[:2] + b"\xff\xe1" + struct.pack(">H", len(app1) + 2) + app1 + data[2:]
+    ok = tmp_path / "trailer.jpg"
+    ok.write_bytes(with_thumb + b"SEFH trailer data")
+    assert load_image(ok).shape == (30, 50, 3)
+    cut_jpg = tmp_path / "cut.jpg"
+    cut_jpg.write_bytes(with_thumb[:-2])  # the thumbnail's FFD9 is still there; the image's own is gone
+    with pytest.raises(InputError, match="truncated or corrupt"):
+        load_image(cut_jpg)
+
+
+@pytest.mark.parametrize("h,w,warned", [(1, 1, True), (4, 4, True), (63, 400, True), (64, 64, False),
+                                        (256, 256, False)])
+def test_small_image_warning(h, w, warned):
+    """Under a quarter of the model's side (64 px at 256) the upscaled face is a blur: warn, don't refuse."""
+    note = small_image_warning(np.zeros((h, w, 3), np.uint8), "ref.png", native=256)
+    if not warned:
+        assert note is None
+        return
+    assert note.startswith("warning: reference: ref.png: ") and f"{w}x{h}" in note and "64 px" in note
+    assert "\n" not in note
 
 
 def test_load_image_unreadable(tmp_path, monkeypatch):

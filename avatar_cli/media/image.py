@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import struct
 import zlib
 from pathlib import Path
@@ -15,7 +16,85 @@ from avatar_cli.errors import InputError
 from avatar_cli.media._exif import apply_orientation, jpeg_orientation
 from avatar_cli.media._files import check_readable, input_error, reason
 
-__all__ = ["load_image", "save_png", "fit_square"]
+__all__ = ["load_image", "save_png", "fit_square", "small_image_warning"]
+
+# FFmpeg's JPEG decoder hands back a frame for a cut-off file (the missing rows flat green) with no error,
+# and a cut PNG fails as generic "invalid data" or not at all (IEND lost), so completeness is checked on
+# the file's own structure instead.
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+# In entropy-coded JPEG data 0xFF is followed by 0x00 (stuffing), a restart marker D0-D7 or more 0xFF
+# fill; anything else is the next marker.
+_JPEG_NEXT_MARKER = re.compile(rb"\xff[^\x00\xd0-\xd7\xff]")
+
+
+def _jpeg_problem(data: bytes) -> str | None:
+    """Walk the JPEG's segments to its end-of-image marker (FFD9); what is wrong, or None when complete.
+
+    Walking (rather than looking for FFD9 near the end) skips an EXIF thumbnail's own FFD9 inside APP1,
+    and tolerates data appended after the image (some phones add a trailer).
+    """
+    pos, n = 2, len(data)
+    while pos < n:
+        if data[pos] != 0xFF:  # stray bytes between segments (libjpeg skips them too): go to the next marker
+            m = _JPEG_NEXT_MARKER.search(data, pos)
+            if m is None:
+                break
+            pos = m.start()
+            continue
+        if pos + 1 >= n:
+            break
+        marker = data[pos + 1]
+        if marker == 0xD9:
+            return None
+        if marker == 0xFF:  # fill byte before a marker
+            pos += 1
+            continue
+        if 0xD0 <= marker <= 0xD7 or marker in (0x01, 0xD8):  # standalone markers, no length
+            pos += 2
+            continue
+        if pos + 4 > n:
+            break
+        end = pos + 2 + struct.unpack(">H", data[pos + 2 : pos + 4])[0]
+        if end > n:
+            break
+        pos = end
+        if marker == 0xDA:  # start of scan: entropy-coded data runs to the next real marker
+            m = _JPEG_NEXT_MARKER.search(data, pos)
+            if m is None:
+                break
+            pos = m.start()
+    return f"the JPEG data ends before its end-of-image marker (file is {n} bytes)"
+
+
+def _png_problem(data: bytes) -> str | None:
+    """Walk the PNG's chunks to IEND; what is wrong, or None when complete."""
+    pos, n = len(_PNG_SIGNATURE), len(data)
+    while pos + 8 <= n:
+        length, kind = struct.unpack(">I4s", data[pos : pos + 8])
+        end = pos + 12 + length  # length, type, data, CRC
+        if end > n:
+            name = kind.decode("latin-1")
+            return f"the PNG data ends inside its {name} chunk, {end - n} bytes short (file is {n} bytes)"
+        if kind == b"IEND":
+            return None
+        pos = end
+    return f"the PNG data ends before its IEND chunk (file is {n} bytes)"
+
+
+def _webp_problem(data: bytes) -> str | None:
+    """A WebP is one RIFF chunk whose header gives its size."""
+    need = 8 + struct.unpack("<I", data[4:8])[0]
+    return None if len(data) >= need else f"the WebP header says {need} bytes, the file has {len(data)}"
+
+
+def _truncation(path: str | Path) -> str | None:
+    """Why a JPEG/PNG/WebP file is cut short or broken, or None; other formats are left to the decoder."""
+    with open(path, "rb") as f:
+        head = f.read(12)
+        check = (_jpeg_problem if head[:3] == b"\xff\xd8\xff" else _png_problem if head[:8] == _PNG_SIGNATURE
+                 else _webp_problem if len(head) == 12 and head[:4] == b"RIFF" and head[8:12] == b"WEBP" else None)
+        # Only a file that says it is one of these is read whole (a video given by mistake is not).
+        return None if check is None else check(head + f.read())
 
 
 def _to_rgb(frame: av.VideoFrame) -> np.ndarray:
@@ -42,6 +121,14 @@ def load_image(path: str | Path, what: str = "reference") -> np.ndarray:
     Raises InputError with one line `"{what}: {path}: problem"` for anything unusable.
     """
     check_readable(path, what)
+    try:
+        problem = _truncation(path)
+    except PermissionError:
+        raise input_error(what, path, "permission denied") from None
+    except OSError as exc:
+        raise input_error(what, path, f"cannot read ({reason(exc)})") from None
+    if problem is not None:
+        raise input_error(what, path, f"truncated or corrupt: {problem}")
     try:
         with av.open(str(path)) as container:
             if not container.streams.video:
@@ -109,3 +196,18 @@ def fit_square(img: np.ndarray, size: int) -> torch.Tensor:
         x = F.interpolate(x, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
     x = (x / 127.5 - 1.0).clamp_(-1.0, 1.0)  # (1, 3, size, size)
     return x[0].contiguous()
+
+
+def small_image_warning(img: np.ndarray, path: str | Path, native: int, what: str = "reference") -> str | None:
+    """A one-line warning when the image's shorter side is under a quarter of the model's native size.
+
+    fit_square upscales the reference to native x native; beyond 4x (under 64 px for the 256 px model)
+    an eye or the mouth is a few pixels wide and the face renders as a blur. Smaller images still
+    render, so this is a warning for the caller to report, not an error.
+    """
+    h, w = np.asarray(img).shape[:2]
+    least = max(1, native // 4)
+    if min(h, w) >= least:
+        return None
+    return (f"warning: {what}: {path}: only {w}x{h} px; the model works at {native}x{native}, so the face is "
+            f"upscaled {native / min(h, w):.3g}x and will look blurred (use at least {least} px on the shorter side)")
