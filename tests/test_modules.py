@@ -1,6 +1,9 @@
 """Modules: build on meta, strict safetensors loading, model directories, and the models themselves."""
 
 import json
+import os
+import stat
+import warnings
 
 import pytest
 import torch
@@ -8,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from avatar_cli.errors import InputError
 from avatar_cli.models.family import COMPONENTS, SIZES, FamilyConfig
-from avatar_cli.modules.module import load_module
+from avatar_cli.modules.module import load_module, save_safetensors
 from avatar_cli.modules.registry import check_model, init_model_dir, load_modules, resolve_model
 
 
@@ -86,6 +89,77 @@ def test_init_refuses_to_overwrite(tmp_path):
     with pytest.raises(InputError, match="not empty"):
         init_model_dir(tmp_path / "m", "tiny")
     assert (tmp_path / "m" / "mine.txt").read_text() == "user data"
+
+
+@pytest.fixture
+def umask():
+    """Set the process umask for one test; restored after."""
+    saved = os.umask(0o022)
+    yield os.umask
+    os.umask(saved)
+
+
+def _mode(path) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+def test_weights_files_get_the_mode_a_plain_open_gives(tmp_path, umask):
+    """safetensors writes a private temp file and renames it: weights came out 0600 beside a 0644 config.json,
+    unreadable to other accounts on a shared file system."""
+    umask(0o022)
+    init_model_dir(tmp_path / "m", "tiny")
+    modes = {p.name: _mode(p) for p in (tmp_path / "m").iterdir()}
+    assert modes == {name: 0o644 for name in modes} and len(modes) == 1 + len(COMPONENTS)
+    umask(0o027)  # the mode follows the umask, as open() does; it is not a fixed 0644
+    save_safetensors({"a": torch.zeros(2)}, tmp_path / "g.safetensors", metadata={"k": "v"})
+    assert _mode(tmp_path / "g.safetensors") == 0o640
+    assert load_file(str(tmp_path / "g.safetensors"))["a"].shape == (2,)
+
+
+def test_attention_norms_run_in_one_dtype_under_autocast(monkeypatch):
+    """Training's bf16 autocast gave the q/k RMSNorm a bf16 input and an fp32 weight: torch warned "Mismatch dtype
+    between input and weight" (once per process, so the spy checks the cause, not the warning)."""
+    from avatar_cli.models.dit import Attention
+    from avatar_cli.models.layers import rope_3d
+
+    seen = []
+    real = torch.rms_norm
+
+    def spy(x, shape, weight=None, eps=None):
+        seen.append((x.dtype, None if weight is None else weight.dtype))
+        return real(x, shape, weight, eps)
+
+    monkeypatch.setattr(torch, "rms_norm", spy)
+    torch.manual_seed(0)
+    attn = Attention(64, 4)
+    pos = torch.arange(6)
+    cos, sin = rope_3d(pos, pos, pos, 16)
+    x = torch.randn(2, 6, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = attn(x, cos, sin)
+    assert y.shape == (2, 6, 64) and seen and all(a == b for a, b in seen), seen
+
+
+@pytest.mark.parametrize("x_dtype,w_dtype,autocast", [(torch.bfloat16, torch.float32, True),
+                                                      (torch.bfloat16, torch.float32, False),
+                                                      (torch.float32, torch.float32, False),
+                                                      (torch.bfloat16, torch.bfloat16, False)])
+def test_rms_norm_matches_torch_bit_for_bit(x_dtype, w_dtype, autocast):
+    """Same numbers as nn.RMSNorm in every case: inference (matching dtypes) is untouched, and the mixed case
+    equals torch's unfused fallback; small inputs so that which epsilon is used would show."""
+    from avatar_cli.models.layers import RMSNorm
+
+    torch.manual_seed(0)
+    ours, ref = RMSNorm(16), torch.nn.RMSNorm(16)
+    with torch.no_grad():
+        ref.weight.copy_(torch.randn(16))
+    ours.load_state_dict(ref.state_dict())
+    ours.to(w_dtype), ref.to(w_dtype)
+    x = (torch.randn(3, 5, 16) * torch.logspace(-4, 1, 5)[:, None]).to(x_dtype)
+    with warnings.catch_warnings(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        warnings.simplefilter("ignore")  # torch's own mismatch warning, from the reference
+        a, b = ours(x), ref(x)
+    assert a.dtype == b.dtype == x_dtype and torch.equal(a, b)
 
 
 def test_module_casts_and_loads_without_pickle(tmp_path, monkeypatch):

@@ -117,6 +117,21 @@ def test_model_dir_loads_strictly(trained):
     assert source.config.size == "tiny"
 
 
+def test_written_safetensors_are_as_readable_as_the_json_beside_them(trained):
+    """Weights, the training checkpoint and the latent cache used to be 0600 (safetensors' private temp file,
+    renamed) while config.json and state.json got the umask's mode: other accounts could not read the model."""
+    import stat
+
+    base, _ = trained
+    plain = stat.S_IMODE((base / "model" / "config.json").stat().st_mode)
+    assert plain == stat.S_IMODE((base / "work" / "state.json").stat().st_mode)
+    written = list((base / "model").glob("*.safetensors")) + list((base / "work").rglob("*.safetensors"))
+    assert len(written) > 5 and any(p.parent.name != "model" and p.parent.name != "work" for p in written)
+    assert "train_ckpt.safetensors" in {p.name for p in written}
+    modes = {str(p.relative_to(base)): oct(stat.S_IMODE(p.stat().st_mode)) for p in written}
+    assert modes == {name: oct(plain) for name in modes}
+
+
 def test_halted_run_resumes_to_the_same_weights(trained, tmp_path):
     base, summary = trained
     work = tmp_path / "work"

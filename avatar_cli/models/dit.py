@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from avatar_cli.models.layers import MLPEmbedder, apply_rope, modulate, rope_3d, timestep_embedding
+from avatar_cli.models.layers import MLPEmbedder, RMSNorm, apply_rope, modulate, rope_3d, timestep_embedding
 
 
 @dataclass(frozen=True)
@@ -80,8 +80,8 @@ class Attention(nn.Module):
         self.heads = heads
         self.attn_op: AttentionOp = F.scaled_dot_product_attention
         self.qkv = nn.Linear(dim, 3 * dim)
-        self.q_norm = nn.RMSNorm(dim // heads)
-        self.k_norm = nn.RMSNorm(dim // heads)
+        self.q_norm = RMSNorm(dim // heads)
+        self.k_norm = RMSNorm(dim // heads)
         self.proj = nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,22 @@ import torch.nn.functional as F
 from torch import nn
 
 
+class RMSNorm(nn.RMSNorm):
+    """nn.RMSNorm that normalises a lower-precision input in its weight's dtype, then casts back.
+
+    Under training's bf16 autocast the input is bf16 and the weight fp32; torch's rms_norm then takes its
+    unfused fallback and warns "Mismatch dtype between input and weight" on every run. That fallback upcasts
+    to fp32 and rounds the result to the input's dtype, which is exactly what this does, so the numbers
+    are unchanged; when the dtypes already match (inference in fp32 or bf16) this is plain nn.RMSNorm.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if w is None or x.dtype == w.dtype:
+            return super().forward(x)
+        return F.rms_norm(x.to(w.dtype), self.normalized_shape, w, self.eps).to(x.dtype)
+
+
 def timestep_embedding(t: torch.Tensor, dim: int, max_period: float = 10_000.0) -> torch.Tensor:
     """Sinusoidal embedding of flow time t in [0, 1] (scaled to [0, 1000] like DiT)."""
     half = dim // 2

@@ -4,6 +4,7 @@ Models are built on the meta device (no memory, no init cost) and the checkpoint
 assigned in place after a strict check of names and shapes. Never pickle: safetensors only.
 """
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,7 +43,32 @@ class Module:
 
     def save(self, path: Path) -> None:
         state = {k: v.detach().contiguous().cpu() for k, v in self.model.state_dict().items()}
-        save_file(state, str(path))
+        save_safetensors(state, path)
+
+
+def _umask() -> int:
+    """The process umask, read without changing it where Linux allows (os.umask can only set it)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)  # set-and-restore: briefly process-wide, hence only the fallback
+    os.umask(mask)
+    return mask
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], path: str | Path,
+                     metadata: dict[str, str] | None = None) -> None:
+    """safetensors' save_file, leaving the file with the mode a plain open() would give (0644 under umask 022).
+
+    save_file writes a private temp file and renames it, so every weights file came out 0600 next to a 0644
+    config.json: other accounts on a shared file system could read the config but not the model.
+    """
+    save_file(tensors, str(path), metadata=metadata)
+    os.chmod(path, 0o666 & ~_umask())
 
 
 def build_meta(model_cls: type[nn.Module], params: object) -> nn.Module:

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import nn
+
+from avatar_cli.modules.module import save_safetensors
 
 CKPT = "train_ckpt.safetensors"
 
@@ -32,7 +33,7 @@ def save(work_dir: Path, models: dict[str, nn.Module], opt: torch.optim.Optimize
     meta = {"state": json.dumps(state), "param_groups": json.dumps(groups)}
     work_dir.mkdir(parents=True, exist_ok=True)
     tmp = work_dir / (CKPT + ".tmp")
-    save_file(tensors, str(tmp), metadata=meta)
+    save_safetensors(tensors, tmp, metadata=meta)
     os.replace(tmp, work_dir / CKPT)
     side = work_dir / "state.json.tmp"
     side.write_text(json.dumps(state, indent=2) + "\n")

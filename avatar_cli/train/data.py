@@ -17,12 +17,13 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from avatar_cli.models.audio import AudioParams, frame_window_starts, log_mel_windows
 from avatar_cli.models.family import FamilyConfig
 from avatar_cli.models.text import tokenize
 from avatar_cli.models.vae import VAE
+from avatar_cli.modules.module import save_safetensors
 from avatar_cli.synth import TRAIN_AUDIO_SEEDS, TRAIN_IDENTITY_SEEDS, make_clip, render_reference
 
 SEED_BASE = {"vae": 0, "sr": 20_000, "dit": 40_000, "decoder": 60_000}
@@ -150,7 +151,7 @@ def prompt_ids(labels: torch.Tensor, form: str, rng: np.random.Generator, p) -> 
 
 def save_clip(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     tmp = path.with_suffix(".tmp")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
+    save_safetensors({k: v.contiguous() for k, v in tensors.items()}, tmp)
     tmp.replace(path)
 
 
