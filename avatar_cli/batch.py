@@ -17,7 +17,7 @@ from avatar_cli.report import Reporter
 @dataclass
 class JobResult:
     job: str
-    status: str  # "done" | "skipped" | "failed"
+    status: str  # "done" | "skipped" | "failed" | "interrupted"
     wall_s: float
     code: int = EXIT_OK
     error: str | None = None
@@ -90,15 +90,18 @@ def run_batch(jobs: list[Path], overrides: list[str], output: str | None, force:
         rendering = False
         try:
             job = load_job(path, overrides, output)
-            if job.output.exists() and not force and not resume:
+            if job.output.exists() and not force:
                 source = runner.resolve_model(job.model, job.path.parent)
                 if is_complete(job.output, runner.output_tag(job_fingerprint(job, source))):
-                    reporter.info(f"skip: {job.output} is already rendered from this job (--force to redo)")
+                    reporter.skipped(str(path), str(job.output), "already rendered from this job (--force to redo)")
                     results.append(JobResult(str(path), "skipped", time.perf_counter() - t0, output=str(job.output)))
                     continue
-            prepared = runner.prepare(job, force=force or resume)
+            prepared = runner.prepare(job, force=force)
             rendering = True
-            summary = runner.render(prepared, reporter, models, resume=resume)
+            # A rerun continues an interrupted render of the same job; --resume also refuses to discard one
+            # of a changed job; --force starts over.
+            mode = "never" if force else "strict" if resume else "auto"
+            summary = runner.render(prepared, reporter, models, resume=mode)
             reporter.done(summary)
             results.append(JobResult(str(path), "done", time.perf_counter() - t0, output=summary["output"]))
         except AvatarError as e:
@@ -109,8 +112,6 @@ def run_batch(jobs: list[Path], overrides: list[str], output: str | None, force:
             if fail_fast or (ranked and rendering):
                 _stopped(reporter, jobs, results, fail_fast)
                 break
-        except (KeyboardInterrupt, SystemExit):
-            raise
         except Exception as e:  # an unexpected failure in one job must not sink the batch
             if debug:
                 traceback.print_exc()
@@ -120,6 +121,13 @@ def run_batch(jobs: list[Path], overrides: list[str], output: str | None, force:
             if fail_fast or (ranked and rendering):
                 _stopped(reporter, jobs, results, fail_fast)
                 break
+        except SystemExit:
+            raise
+        except BaseException:  # Ctrl-C or SIGTERM: the summary still says what was done, then the CLI exits
+            if len(jobs) > 1:
+                results.append(JobResult(str(path), "interrupted", time.perf_counter() - t0))
+                reporter.batch(results)
+            raise
     return results
 
 

@@ -52,6 +52,15 @@ def _install_signal_handlers() -> None:
     signal.signal(signal.SIGTERM, handler(Terminated, EXIT_TERMINATED))
 
 
+def _kept_text(kept: Optional[bool]) -> str:
+    """What an interrupted render left (None: no render was under way)."""
+    if kept is None:
+        return ""
+    if kept:
+        return "; the partial output and its checkpoint were kept: render again to continue"
+    return "; nothing was kept (it stopped before the first checkpoint)"
+
+
 def _run(action, json_mode: Optional[bool], debug: bool) -> None:
     """Run one command's action; turn every failure into one line and an exit code."""
     debug = debug or os.environ.get("AVATAR_DEBUG") == "1"
@@ -66,12 +75,10 @@ def _run(action, json_mode: Optional[bool], debug: bool) -> None:
             traceback.print_exc()
         reporter.error(e.exit_code, str(e))
         raise typer.Exit(e.exit_code) from None
-    except KeyboardInterrupt:
-        reporter.error(EXIT_INTERRUPTED, "interrupted; the partial output and its checkpoint were kept (--resume)")
-        raise typer.Exit(EXIT_INTERRUPTED) from None
-    except Terminated:
-        reporter.error(EXIT_TERMINATED, "terminated; the partial output and its checkpoint were kept (--resume)")
-        raise typer.Exit(EXIT_TERMINATED) from None
+    except (KeyboardInterrupt, Terminated) as e:
+        code, what = (EXIT_TERMINATED, "terminated") if isinstance(e, Terminated) else (EXIT_INTERRUPTED, "interrupted")
+        reporter.error(code, what + _kept_text(getattr(e, "kept_partial", None)))
+        raise typer.Exit(code) from None
     except Exception as e:  # an unexpected failure while rendering
         if debug:
             traceback.print_exc()

@@ -32,11 +32,15 @@ class Reporter(Protocol):
     def done(self, summary: dict[str, Any]) -> None: ...
     def error(self, code: int, message: str) -> None: ...
     def info(self, message: str) -> None: ...
+    def skipped(self, job: str, output: str, reason: str) -> None: ...
     def batch(self, results: list) -> None: ...
 
 
 def batch_counts(results: list) -> dict[str, int]:
-    return {status: sum(r.status == status for r in results) for status in ("done", "skipped", "failed")}
+    counts = {status: sum(r.status == status for r in results) for status in ("done", "skipped", "failed")}
+    if any(r.status == "interrupted" for r in results):
+        counts["interrupted"] = 1
+    return counts
 
 
 class JsonReporter:
@@ -64,6 +68,10 @@ class JsonReporter:
 
     def info(self, message: str) -> None:
         print(message, file=sys.stderr)
+
+    def skipped(self, job: str, output: str, reason: str) -> None:
+        self.emit({"event": "skipped", "job": job, "output": output, "reason": reason})
+        self.info(f"skip: {output} is {reason}")
 
     def batch(self, results: list) -> None:
         for r in results:
@@ -124,12 +132,15 @@ class RichReporter:
     def info(self, message: str) -> None:
         Console(stderr=True).print(message, highlight=False, soft_wrap=True)
 
+    def skipped(self, job: str, output: str, reason: str) -> None:
+        self.info(f"skip: {output} is {reason}")
+
     def batch(self, results: list) -> None:
         self._stop()
         table = Table(title="batch")
         for column in ("job", "status", "wall", "error"):
             table.add_column(column)
-        colour = {"done": "green", "skipped": "cyan", "failed": "red"}
+        colour = {"done": "green", "skipped": "cyan", "failed": "red", "interrupted": "yellow"}
         for r in results:
             table.add_row(r.job, f"[{colour[r.status]}]{r.status}[/]", f"{r.wall_s:.1f} s", r.error or "")
         self.console.print(table)
@@ -153,6 +164,9 @@ class QuietReporter:
         pass
 
     def info(self, message: str) -> None:
+        pass
+
+    def skipped(self, job: str, output: str, reason: str) -> None:
         pass
 
     def batch(self, results: list) -> None:

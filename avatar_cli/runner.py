@@ -154,36 +154,48 @@ def setup_runtime(spec) -> tuple[Runtime, Dist]:
     return runtime, dist
 
 
-def _resume_point(p: Prepared, fingerprint: dict[str, str], reporter: Reporter):
-    """Read the checkpoint, refuse if anything changed, and pick where to continue.
+def _resume_point(p: Prepared, fingerprint: dict[str, str], reporter: Reporter, strict: bool):
+    """Read the checkpoint an interrupted render left, and pick where to continue (None: start over).
 
+    A checkpoint of another job (its spec, inputs or model changed since) is discarded with a note, or,
+    with `strict` (--resume), refused: the user asked to continue that render, so nothing is thrown away.
     The old file's frames are copied up to its last keyframe K that is fully on disk, so the new encoder
     starts exactly where the uninterrupted one started a GOP; generation restarts at the newest saved
     point at or before K, and the few frames regenerated before K are checked against their digests
     but not encoded twice.
-    Returns (checkpoint, resume point or None, source file, K).
+    Returns (checkpoint, resume point or None, source file, K), or None when there is nothing to resume.
     """
-    partial = p.job.partial_output
+    partial, output = p.job.partial_output, p.job.output
     try:
         found = ckpt.load_checkpoint(partial)
+        change = describe_change(found.fingerprint, fingerprint) if found is not None else None
     except (ValueError, KeyError, TypeError) as e:
-        raise InputError(f"--resume: the checkpoint beside {partial} is unreadable ({e})") from None
-    if found is None:
-        raise InputError(f"--resume: nothing to resume for {p.job.output} (no checkpoint beside it)")
-    change = describe_change(found.fingerprint, fingerprint)
-    if change:
+        found, change = None, f"its checkpoint is unreadable ({e})"
+        if strict:
+            raise InputError(f"--resume: the checkpoint beside {partial} is unreadable ({e})") from None
+    if change and strict:
         raise InputError(f"--resume: {change} changed since the render was interrupted; "
-                         "render without --resume to start over")
+                         "render with --force to start over")
+    if change:
+        reporter.info(f"note: starting {output} over: an interrupted render of it was left, but {change} "
+                      "changed since (--resume refuses instead of discarding it)")
+        return None
+    if found is None:
+        if strict:
+            reporter.info(f"resume: nothing to resume for {output} (no checkpoint beside it); rendering it")
+        return None
     source = ckpt.resume_source(partial)
     if source is None:
-        raise InputError(f"--resume: nothing to resume for {p.job.output} (the partial file is gone)")
+        reporter.info(f"resume: the partial file of {output} is gone; rendering it from the start")
+        return None
     from avatar_cli.media.writer import scan_video
 
     on_disk, keys = scan_video(source)
     copy_to = max([k for k in keys if k <= on_disk] or [0])
     usable = [pt for pt in found.points if pt.published <= copy_to]
     if not usable:
-        reporter.info(f"resume: no saved point is on disk yet ({on_disk} frames); starting from the first chunk")
+        reporter.info(f"resume: the {on_disk} frames on disk end before the first point a render can continue from "
+                      "(a keyframe with a saved state); starting from the first chunk")
         found.stretches, found.points = [], []
         return found, None, source, 0
     point = usable[-1]
@@ -214,9 +226,11 @@ def _share_resume(dist: Dist, resume_from: ResumeFrom | None, runtime: Runtime) 
                                                           runtime.dtype))
 
 
-def render(p: Prepared, reporter: Reporter, models: ModelCache | None = None, resume: bool = False) -> dict:
+def render(p: Prepared, reporter: Reporter, models: ModelCache | None = None, resume: str = "never") -> dict:
     """Render a prepared job to `p.job.output`; returns the summary the `done` event carries.
 
+    resume: "auto" continues an interrupted render of this same job if its checkpoint is there (else starts
+    over), "strict" (--resume) also refuses to discard a checkpoint of a changed job, "never" starts over.
     Under torchrun every rank runs the same schedule; rank 0 alone writes the file and the checkpoint.
     """
     t_start = time.perf_counter()
@@ -227,8 +241,9 @@ def render(p: Prepared, reporter: Reporter, models: ModelCache | None = None, re
     partial = p.job.partial_output
     fingerprint = job_fingerprint(p.job, p.model)
     checkpoint, resume_from, source, copy_to = ckpt.Checkpoint(fingerprint, frames, spec.seed), None, None, 0
-    if main and resume:
-        checkpoint, resume_from, source, copy_to = _resume_point(p, fingerprint, reporter)
+    found = _resume_point(p, fingerprint, reporter, resume == "strict") if main and resume != "never" else None
+    if found is not None:
+        checkpoint, resume_from, source, copy_to = found
     elif main:
         check_disk(p)
         ckpt.discard_partial(partial)
@@ -271,8 +286,7 @@ def render(p: Prepared, reporter: Reporter, models: ModelCache | None = None, re
             saver.save(s.next_chunk, s.state)
         except OSError as e:
             what = "disk full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else f"cannot write ({e.strerror})"
-            raise RenderError(f"{what} while updating the checkpoint beside {partial}; the partial file and the "
-                              "last checkpoint are kept: fix that, then --resume") from None
+            raise RenderError(f"{what} while updating the checkpoint beside {partial}") from None
 
     try:
         t_render = time.perf_counter()
@@ -280,11 +294,19 @@ def render(p: Prepared, reporter: Reporter, models: ModelCache | None = None, re
         if main:
             writer.close()
         gen_s = time.perf_counter() - t_render
-    except BaseException:
-        # Keep what was written: the fragmented MP4 stays playable, the checkpoint stays valid,
-        # and nothing appears at the output path.
-        if main:
-            writer.abort()
+    except BaseException as e:
+        # Keep what a rerun can continue from: the fragmented MP4 and its last valid checkpoint. Before the
+        # first checkpoint there is no such thing (and the file may hold no whole fragment): leave nothing.
+        # Nothing ever appears at the output path.
+        if not main:
+            raise
+        writer.abort()
+        kept = ckpt.resumable(partial, checkpoint)
+        if not kept:
+            ckpt.discard_partial(partial)
+        if isinstance(e, RenderError):
+            raise RenderError(f"{e}; {_after_failure(kept)}") from e.__cause__
+        e.kept_partial = kept  # read by the CLI's interrupt message
         raise
     finally:
         reader.close()
@@ -305,6 +327,12 @@ def render(p: Prepared, reporter: Reporter, models: ModelCache | None = None, re
         "compute_s": {k: round(v, 4) for k, v in stats.compute_s.items()},
         "resumed_at": first_put, "frames_digest": checkpoint.frames_digest, "ranks": dist.world_size,
     }
+
+
+def _after_failure(kept: bool) -> str:
+    if kept:
+        return "the partial file and its checkpoint are kept: fix that, then render again to continue"
+    return "nothing was kept (it stopped before the first checkpoint): fix that, then render again"
 
 
 def output_tag(fingerprint: dict[str, str]) -> str:

@@ -99,11 +99,21 @@ def test_resume_refuses_when_the_job_changed(job_dir: Path):
     changed = cli("render", job, f"audio={job_dir / 'long.wav'}", "--resume", "--json")
     assert changed.returncode == 2 and "the audio changed" in events(changed.stdout)[-1]["message"]
     assert checkpoint_files(job_dir / "out")  # refusing loses nothing
+    # Without --resume the user asked for this (changed) job: the stale render is dropped, with a note.
+    fresh = cli("render", job, f"audio={job_dir / 'long.wav'}", "--json")
+    assert fresh.returncode == 0 and "the audio changed since" in fresh.stderr
+    assert events(fresh.stdout)[-1]["resumed_at"] == 0 and not checkpoint_files(job_dir / "out")
 
 
-def test_resume_with_nothing_to_resume(job_dir: Path):
-    result = cli("render", str(job_dir / "job.yaml"), "--resume", "--json")
-    assert result.returncode == 2 and "nothing to resume" in events(result.stdout)[-1]["message"]
+def test_resume_with_nothing_to_resume_renders_and_skips_what_is_done(job_dir: Path):
+    """--resume over a batch (the restart line of a Slurm or Kubernetes job): new jobs render, done ones skip."""
+    jobs = make_batch(job_dir, ["a", "b"])
+    first = cli("render", str(jobs / "a.yaml"), "--resume", "--json")
+    assert first.returncode == 0 and "nothing to resume" in first.stderr
+    both = cli("render", str(jobs), "--resume", "--json")
+    assert both.returncode == 0, both.stdout
+    assert events(both.stdout)[-1] == {"event": "batch", "jobs": 2, "done": 1, "skipped": 1, "failed": 0}
+    assert any(e["event"] == "skipped" and e["job"].endswith("a.yaml") for e in events(both.stdout))
 
 
 @pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
@@ -123,8 +133,27 @@ def test_signal_leaves_partial_and_checkpoint(job_dir: Path, sig, code):
     with av.open(str(out / "video.partial.mp4")) as c:
         assert sum(1 for _ in c.decode(video=0)) >= 16
     assert (out / "video.partial.ckpt.json").is_file()
-    resumed = cli("render", str(job_dir / "job.yaml"), f"audio={job_dir / 'long.wav'}", "--resume", "--json")
+    assert "checkpoint were kept" in events(rest)[-1]["message"]
+    # A plain rerun (what a restarted cron or Slurm job does) continues; it does not throw the work away.
+    resumed = cli("render", str(job_dir / "job.yaml"), f"audio={job_dir / 'long.wav'}", "--json")
     assert resumed.returncode == 0 and events(resumed.stdout)[-1]["resumed_at"] > 0
+
+
+def test_stopped_before_the_first_checkpoint_leaves_nothing(job_dir: Path, monkeypatch):
+    """Ctrl-C before the first checkpoint is saved: nothing could continue the render, so nothing stays."""
+    from avatar_cli import runner
+    from avatar_cli.pipeline import checkpoint
+    from avatar_cli.spec import load_job
+
+    def interrupted(self, next_chunk, state):
+        raise KeyboardInterrupt  # arrives as the first stretch is published, its frames already encoding
+
+    monkeypatch.setattr(checkpoint.CheckpointWriter, "save", interrupted)
+    job = load_job(job_dir / "job.yaml")
+    with pytest.raises(KeyboardInterrupt) as stopped:
+        runner.render(runner.prepare(job), Recorder(), resume="auto")
+    assert stopped.value.kept_partial is False
+    assert not job.output.exists() and os.listdir(job.output.parent) == []
 
 
 def make_batch(job_dir: Path, names: list[str]) -> Path:
@@ -170,6 +199,36 @@ class Recorder:
     def done(self, summary: dict) -> None:
         self.lines.append("done")
 
+    def start(self, **_) -> None:
+        pass
+
+    def chunk(self, **_) -> None:
+        pass
+
+    def skipped(self, job: str, output: str, reason: str) -> None:
+        self.lines.append(f"skipped {job}")
+
+    def batch(self, results: list) -> None:
+        self.lines.append("batch: " + " ".join(r.status for r in results))
+
+
+def test_an_interrupted_batch_still_reports_what_it_did(job_dir: Path, monkeypatch):
+    from avatar_cli import runner
+    from avatar_cli.batch import run_batch
+
+    jobs = make_batch(job_dir, ["a", "b", "c"])
+
+    def fake_render(p, reporter, models, resume="never"):
+        if p.job.path.stem == "b":
+            raise KeyboardInterrupt
+        return {"output": str(p.job.output)}
+
+    monkeypatch.setattr(runner, "render", fake_render)
+    rec = Recorder()
+    with pytest.raises(KeyboardInterrupt):
+        run_batch(sorted(jobs.glob("*.yaml")), [], None, False, False, False, rec)
+    assert rec.lines[-1] == "batch: done interrupted"
+
 
 def test_under_torchrun_a_failed_render_ends_the_batch_but_bad_input_does_not(job_dir: Path, monkeypatch):
     from avatar_cli import runner
@@ -180,7 +239,7 @@ def test_under_torchrun_a_failed_render_ends_the_batch_but_bad_input_does_not(jo
     (jobs / "a.yaml").write_text((jobs / "a.yaml").read_text().replace("../speech.wav", "../missing.wav"))
     rendered = []
 
-    def fake_render(p, reporter, models, resume=False):
+    def fake_render(p, reporter, models, resume="never"):
         rendered.append(p.job.path.stem)
         if p.job.path.stem == "c":
             raise RuntimeError("gloo: connection closed by peer")
@@ -269,12 +328,12 @@ def test_disk_full_mid_render_loses_nothing(job_dir: Path, small_disk: Path):
     message = events(rest)[-1]["message"]
     assert "disk full" in message, message
     assert not out.exists()
+    assert "checkpoint are kept" in message, message
     (small_disk / "filler").unlink()  # space again: what was kept must be intact and resumable
     # The write that hit the full disk may have torn the last fragment; everything before it decodes.
     assert count_video_frames(small_disk / "video.partial.mp4") >= 25
     json.loads((small_disk / "video.partial.ckpt.json").read_text())  # intact, not half-written
-    resumed = cli("render", str(job_dir / "job.yaml"), f"audio={job_dir / 'long.wav'}", "-o", str(out), "--resume",
-                  "--json")
+    resumed = cli("render", str(job_dir / "job.yaml"), f"audio={job_dir / 'long.wav'}", "-o", str(out), "--json")
     assert resumed.returncode == 0, resumed.stderr
     assert events(resumed.stdout)[-1]["resumed_at"] > 0
 

@@ -340,8 +340,7 @@ class Mp4Writer:
             if isinstance(err, RenderError):
                 raise err
             if getattr(err, "errno", None) in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-                raise RenderError(f"disk full while writing {self.path} ({reason(err)}); "
-                                  "the partial file and the checkpoint are kept: free some space, then --resume") from err
+                raise RenderError(f"disk full while writing {self.path} ({reason(err)})") from err
             raise RenderError(f"video: {self.path}: encoding failed ({type(err).__name__}: {reason(err)})") from err
 
     # ---- writer thread -----------------------------------------------------------------

@@ -142,6 +142,11 @@ def remove_checkpoint(partial: Path) -> None:
         f.unlink(missing_ok=True)
 
 
+def resumable(partial: Path, ckpt: Checkpoint) -> bool:
+    """Whether a rerun can continue this render: a saved point, its JSON on disk, a file beside it."""
+    return bool(ckpt.points) and paths(partial)[0].is_file() and (partial.exists() or resume_path(partial).exists())
+
+
 def load_checkpoint(partial: Path) -> Checkpoint | None:
     json_path, _ = paths(partial)
     if not json_path.is_file():

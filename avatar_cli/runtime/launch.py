@@ -73,8 +73,10 @@ def relaunch(nproc: int, cli_args: list[str], debug: bool = False) -> int:
     if launched_by_torchrun():
         raise RuntimeError("--nproc given inside a torchrun worker")
     os.environ.setdefault("OMP_NUM_THREADS", str(worker_threads(nproc)))
-    if not debug:
-        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    if not debug:  # elastic's loggers set their own levels (LOGGERLEVEL), so a parent's level is not enough
+        for name in ["torch.distributed.elastic", *logging.root.manager.loggerDict]:
+            if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher")):
+                logging.getLogger(name).setLevel(logging.CRITICAL)
     # --standalone: a local rendezvous on a free port (several jobs on one host don't collide).
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1)
