@@ -154,7 +154,9 @@ def validate(job: JobArg, overrides: OverridesArg = None, output: OutputOpt = No
                 "reference_size": [int(p.image.shape[1]), int(p.image.shape[0])], "audio": str(j.audio),
                 "audio_s": round(p.audio.duration_s, 4), "frames": p.frames, "video_fps": j.spec.video.fps,
                 "size": list(p.size), "model": p.model.name, "output": str(j.output),
-                "output_exists": j.output.exists()}
+                "output_exists": j.output.exists(), "warnings": p.warnings}
+        for warning in p.warnings:
+            reporter.info(warning)
         _print_info(reporter, info)
 
     _run(action, json, debug)

@@ -16,7 +16,7 @@ import torch
 
 from avatar_cli.errors import InputError, RenderError
 from avatar_cli.media.audio import AudioInfo, AudioWindowReader, probe_audio
-from avatar_cli.media.image import fit_square, load_image
+from avatar_cli.media.image import fit_square, load_image, small_image_warning
 from avatar_cli.media.writer import Mp4Writer, resolve_codec
 from avatar_cli.modules.module import Module
 from avatar_cli.modules.registry import ModelSource, check_model, load_modules, resolve_model
@@ -48,6 +48,12 @@ class Prepared:
     @property
     def duration_s(self) -> float:
         return self.frames / self.job.spec.video.fps
+
+    @property
+    def warnings(self) -> list[str]:
+        """Input that renders, but not well: said before rendering (and by validate)."""
+        note = small_image_warning(self.image, self.job.reference, self.model.config.image_size)
+        return [note] if note else []
 
     def estimated_bytes(self) -> int:
         """A generous estimate of the output's size, from the bitrate the quality setting implies."""
@@ -265,6 +271,8 @@ def render(p: Prepared, reporter: Reporter, models: ModelCache | None = None, re
                            resume_from=source, resume_frames=copy_to, first_put=first_put)
     saver = ckpt.CheckpointWriter(partial, checkpoint)
     reader = AudioWindowReader(p.job.audio, sample_rate=p.model.config.audio.sample_rate, info=p.audio)
+    for warning in p.warnings if main else []:
+        reporter.info(warning)
     reporter.start(output=str(p.job.output), frames=frames, chunks=len(chunks), fps=spec.video.fps)
     done_chunks = resume_from.next_chunk if resume_from else 0
 

@@ -361,3 +361,22 @@ def test_jobs_sharing_a_model_load_it_once(job_dir: Path, monkeypatch):
     assert result.exit_code == 0, result.output
     assert len(calls) == 1
     assert len(list((job_dir / "out").glob("*.mp4"))) == 3
+
+
+def test_render_checkpoints_get_the_mode_open_gives(tmp_path: Path):
+    """A shared render folder: the checkpoint's state files are as readable as the partial MP4 beside them."""
+    import torch
+
+    from avatar_cli.pipeline import checkpoint
+    from avatar_cli.pipeline.state import RollingState
+
+    partial = tmp_path / "video.partial.mp4"
+    partial.write_bytes(b"")
+    old = os.umask(0o022)
+    try:
+        writer = checkpoint.CheckpointWriter(partial, checkpoint.Checkpoint({}, 10, 0))
+        writer.save(1, RollingState(tail=torch.zeros(2), anchors=None, held=[], decode_cache=None, published=4))
+    finally:
+        os.umask(old)
+    state_files = list(tmp_path.glob("*.safetensors"))
+    assert len(state_files) == 1 and state_files[0].stat().st_mode & 0o777 == 0o644

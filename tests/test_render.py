@@ -170,3 +170,13 @@ def test_models_lists_shipped_and_init_writes_a_dir(tmp_path: Path):
     result = run_cli("models", "init", str(tmp_path / "m"), "--size", "tiny", "--json")
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "m" / "config.json").is_file()
+
+
+def test_validate_warns_about_a_tiny_reference(job_dir: Path):
+    from avatar_cli.media.image import save_png
+
+    save_png(job_dir / "tiny.png", np.full((8, 8, 3), 128, np.uint8))
+    result = run_cli("validate", str(job_dir / "job.yaml"), f"reference={job_dir / 'tiny.png'}", "--json")
+    assert result.returncode == 0, result.stderr
+    assert "only 8x8 px" in result.stderr and len(json.loads(result.stdout)["warnings"]) == 1
+    assert json.loads(run_cli("validate", str(job_dir / "job.yaml"), "--json").stdout)["warnings"] == []

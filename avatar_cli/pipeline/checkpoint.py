@@ -22,8 +22,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
+from avatar_cli.modules.module import save_safetensors
 from avatar_cli.pipeline.state import RollingState
 
 VERSION = 1
@@ -116,7 +117,7 @@ class CheckpointWriter:
         name = f"{self.prefix}{c.seq:08d}.safetensors"
         tmp = self.partial.parent / (name + ".tmp")
         try:
-            save_file(state_tensors(state), str(tmp))
+            save_safetensors(state_tensors(state), tmp)
         except Exception as e:  # safetensors reports a full disk as its own error type
             tmp.unlink(missing_ok=True)
             code = errno.ENOSPC if "No space left" in str(e) else errno.EIO
