@@ -272,6 +272,9 @@ def test_rerun_skips_finished_jobs_and_force_redoes_them(job_dir: Path):
     (jobs / "a.yaml").write_text((jobs / "a.yaml").read_text() + "prompt: smiling\n")
     changed = cli("render", str(jobs), "--json")
     assert changed.returncode == 2 and "--force" in changed.stdout
+    resumed = cli("render", str(jobs), "--json", "--resume")  # --resume is no licence to overwrite it either
+    assert resumed.returncode == 2 and "--force" in resumed.stdout
+    assert {p.name: p.stat().st_mtime_ns for p in (job_dir / "out").glob("*.mp4")} == mtimes
     forced = cli("render", str(jobs), "--json", "--force")
     assert forced.returncode == 0
     assert events(forced.stdout)[-1]["done"] == 2
