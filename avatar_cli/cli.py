@@ -109,6 +109,8 @@ def render(
         from avatar_cli.batch import batch_exit_code, expand_jobs, parse_shard, run_batch, take_shard
         from avatar_cli.errors import SpecError
 
+        if nproc < 1:  # the launcher would quietly treat 0 or -1 as one process
+            raise SpecError("--nproc must be at least 1")
         overrides = [a for a in args if "=" in a and not Path(a).exists()]
         job_args = [a for a in args if a not in overrides]
         if not job_args:
@@ -209,11 +211,16 @@ def _without_nproc(argv: list[str]) -> list[str]:
     return out
 
 
+REFERENCE_MIN_SIZE = 16
+REFERENCE_MAX_SIZE = 4096  # measured: 20 s and 2.7 GB at 4096, growing with the square (100000 fails to allocate)
+
+
 @app.command()
 def reference(seed: Annotated[int, typer.Option("--seed", help="Identity seed (training uses 0..99999; "
                                                  "1000000 and up are never trained on).")],
-              output: Annotated[Path, typer.Option("-o", "--output", help="PNG to write.")],
-              size: Annotated[int, typer.Option("--size", help="Side in pixels.")] = 256,
+              output: Annotated[Path, typer.Option("-o", "--output", help="PNG to write (.png).")],
+              size: Annotated[int, typer.Option("--size", help=f"Side in pixels: even, {REFERENCE_MIN_SIZE} to "
+                                                f"{REFERENCE_MAX_SIZE}.")] = 256,
               force: Annotated[bool, typer.Option("--force", help="Replace an existing file.")] = False,
               debug: DebugOpt = False) -> None:
     """Write a procedurally generated reference face (PNG)."""
@@ -222,10 +229,14 @@ def reference(seed: Annotated[int, typer.Option("--seed", help="Identity seed (t
         from avatar_cli.media.image import save_png
         from avatar_cli.synth import render_reference
 
+        if seed < 0:
+            raise InputError("--seed must be >= 0")
+        if not REFERENCE_MIN_SIZE <= size <= REFERENCE_MAX_SIZE or size % 2:
+            raise InputError(f"--size must be an even number from {REFERENCE_MIN_SIZE} to {REFERENCE_MAX_SIZE}")
+        if output.suffix.lower() != ".png":  # it only writes PNG: a .jpg name would hold PNG bytes
+            raise InputError(f"output: {output} must end in .png")
         if output.exists() and not force:
             raise InputError(f"output: {output} already exists; pass --force to replace it")
-        if size < 16 or size % 2:
-            raise InputError("--size must be an even number of at least 16")
         output.parent.mkdir(parents=True, exist_ok=True)
         tmp = output.with_name(output.name + ".tmp")
         save_png(tmp, render_reference(seed, size))

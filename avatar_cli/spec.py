@@ -4,17 +4,24 @@ Precedence, lowest first: schema defaults < configs/default.yaml < the job file 
 overrides < -o/--output. Unknown keys and wrong types are errors that name the key.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Optional
 
 from omegaconf import MISSING, OmegaConf
-from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException, ValidationError
+from omegaconf.errors import (ConfigKeyError, GrammarParseError, InterpolationResolutionError, MissingMandatoryValue,
+                              OmegaConfBaseException)
 
 from avatar_cli.errors import SpecError
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+# libx264's presets. h264_nvenc ignores video.preset (the writer always uses its p4), so these are the whole set.
+X264_PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower", "veryslow",
+                "placebo")
+# h264_nvenc's limit on recent GPUs (older ones stop at 4096). libx264 takes up to 16384 per side, but not
+# 16384x16384 (FFmpeg's image-size check), so one limit that both encoders meet keeps validate honest.
+MAX_SIDE = 8192
 
 
 class Codec(str, Enum):
@@ -118,12 +125,27 @@ class Job:
 
 def _describe(e: OmegaConfBaseException, where: str) -> str:
     key = getattr(e, "full_key", None) or "?"
+    first = str(e).splitlines()[0] if str(e) else type(e).__name__
     if isinstance(e, ConfigKeyError):
         return f"{where}: unknown key '{key}'"
     if isinstance(e, MissingMandatoryValue):
         return f"{where}: missing required key '{key}'"
-    first = str(e).splitlines()[0] if str(e) else type(e).__name__
+    if isinstance(e, (InterpolationResolutionError, GrammarParseError)):
+        return f"{where}: cannot resolve '{key}': {first}"
+    choices = _choices(key)
+    if choices:  # OmegaConf's own list is in [brackets], which Rich's markup would swallow on a terminal
+        return f"{where}: invalid value for '{key}': {getattr(e, 'value', '?')!r}, expected one of {choices}"
     return f"{where}: invalid value for '{key}': {first}"
+
+
+def _choices(key: str) -> str | None:
+    """The allowed values of an enum-typed key ("video.codec"), comma-separated; None for other keys."""
+    t = JobSpec
+    for part in key.split("."):
+        t = {f.name: f.type for f in fields(t)}.get(part) if is_dataclass(t) else None
+    if isinstance(t, type) and issubclass(t, Enum):
+        return ", ".join(m.value for m in t)
+    return None
 
 
 def _merge(base, layer, where: str):
@@ -139,6 +161,8 @@ def load_job(job_path: str | Path, overrides: list[str] | None = None, output: s
         raise SpecError(f"job: {path}: no such file")
     try:
         job_cfg = OmegaConf.load(path)
+    except GrammarParseError as e:  # valid YAML, but a broken ${...}: say so rather than "not valid YAML"
+        raise SpecError(_describe(e, str(path))) from None
     except Exception as e:  # YAML syntax errors come in several types
         raise SpecError(f"job: {path}: not valid YAML ({str(e).splitlines()[0]})") from None
     if not OmegaConf.is_dict(job_cfg):
@@ -165,7 +189,7 @@ def load_job(job_path: str | Path, overrides: list[str] | None = None, output: s
         cli_keys.add("output")
     try:
         spec: JobSpec = OmegaConf.to_object(cfg)  # type: ignore[assignment]
-    except (MissingMandatoryValue, ValidationError) as e:
+    except OmegaConfBaseException as e:  # interpolations (output: out/${seed}.mp4) resolve here, and can fail
         raise SpecError(_describe(e, str(path))) from None
 
     # Paths written in the job file are relative to its folder; paths typed on the command line, to the shell's.
@@ -195,8 +219,11 @@ def validate(s: JobSpec) -> None:
         (v.fps <= 240, "video.fps must be at most 240"),
         (v.width is None or (v.width > 0 and v.width % 2 == 0), "video.width must be a positive even number"),
         (v.height is None or (v.height > 0 and v.height % 2 == 0), "video.height must be a positive even number"),
+        (v.width is None or v.width <= MAX_SIDE, f"video.width must be at most {MAX_SIDE} (the encoders' limit)"),
+        (v.height is None or v.height <= MAX_SIDE, f"video.height must be at most {MAX_SIDE} (the encoders' limit)"),
         ((v.width is None) == (v.height is None), "video.width and video.height must be set together"),
         (0 <= v.crf <= 51, "video.crf must be in 0..51"),
+        (v.preset in X264_PRESETS, f"video.preset must be one of {', '.join(X264_PRESETS)}"),
         (c.frames > 0, "chunking.frames must be positive"),
         (c.motion_frames >= 0, "chunking.motion_frames must not be negative"),
         (c.motion_frames < c.frames or c.frames == 0, "chunking.motion_frames must be smaller than chunking.frames"),

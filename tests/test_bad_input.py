@@ -2,6 +2,8 @@
 
 import json
 import shutil
+from dataclasses import fields, is_dataclass
+from enum import Enum
 from pathlib import Path
 
 import pytest
@@ -9,6 +11,7 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from avatar_cli.cli import app
+from avatar_cli.spec import JobSpec
 from tests.conftest import write_wav
 
 runner = CliRunner()
@@ -83,9 +86,83 @@ def test_audio_shorter_than_a_frame(job_dir):
     ("video.fps=0", "video.fps must be positive"),
     ("chunking.frames=-3", "chunking.frames must be positive"),
     ("chunking.motion_frames=14", "must not exceed chunking.frames"),
+    ("video.preset=ultrafastest", "video.preset must be one of ultrafast, superfast, veryfast, faster, fast, medium, "
+                                  "slow, slower, veryslow, placebo"),
+    ("video.width=20000 video.height=20000", "video.width must be at most 8192"),
+    ("video.width=16 video.height=8194", "video.height must be at most 8192"),  # cheap to render if it regressed
+    ("--nproc 0", "--nproc must be at least 1"),
+    ("--nproc -1", "--nproc must be at least 1"),
 ])
 def test_bad_spec(job_dir, override, needle):
-    assert_bad_input(render(job_dir, override), job_dir, needle)
+    assert_bad_input(render(job_dir, *override.split()), job_dir, needle)
+
+
+CHOICES = [("video.codec", "h265", "auto, libx264, h264_nvenc"), ("runtime.device", "tpu", "auto, cpu, cuda"),
+           ("runtime.dtype", "int8", "auto, float32, bfloat16, float16"),
+           ("runtime.offload", "disk", "auto, none, model, block"),
+           ("runtime.reshard", "never", "per_block, per_stage")]
+
+
+def test_choices_cover_every_enum_key():
+    enum_keys = {f"{group.name}.{f.name}" for group in fields(JobSpec) if is_dataclass(group.type)
+                 for f in fields(group.type) if isinstance(f.type, type) and issubclass(f.type, Enum)}
+    assert enum_keys == {key for key, _, _ in CHOICES}
+
+
+@pytest.mark.parametrize("key,value,allowed", CHOICES)
+def test_choice_errors_list_the_choices(job_dir, key, value, allowed):
+    group, name = key.split(".")
+    job = job_dir / "job.yaml"
+    job.write_text(job.read_text() + f"{group}:\n  {name}: {value}\n")
+    needle = f"invalid value for '{key}': '{value}', expected one of {allowed}"
+    assert_bad_input(render(job_dir), job_dir, needle)
+    # On a terminal the error goes through Rich, whose markup once swallowed a [bracketed] list.
+    result = runner.invoke(app, ["validate", str(job), "--no-json"])
+    assert result.exit_code == 2
+    assert result.stderr.strip().splitlines() == [f"error: {job}: {needle}"]
+
+
+@pytest.mark.parametrize("command", ["render", "validate"])
+def test_unknown_interpolation(job_dir, command):
+    job = job_dir / "job.yaml"
+    job.write_text(job.read_text().replace("output: out/video.mp4", "output: out/${nope}.mp4"))
+    result = runner.invoke(app, [command, str(job), "--json"])
+    assert_bad_input(result, job_dir, "cannot resolve 'output': Interpolation key 'nope' not found")
+    assert not (job_dir / "out").exists()
+
+
+def test_interpolation_resolves_after_overrides(job_dir):
+    job = job_dir / "job.yaml"
+    job.write_text(job.read_text().replace("output: out/video.mp4", "output: out/seed${seed}.mp4"))
+    result = runner.invoke(app, ["validate", str(job), "seed=7", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout.strip().splitlines()[-1])["output"] == str(job_dir / "out" / "seed7.mp4")
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--seed", "-1"], "--seed must be >= 0"),
+    (["--seed", "1", "--size", "100000"], "--size must be an even number from 16 to 4096"),
+    (["--seed", "1", "--size", "15"], "--size must be an even number from 16 to 4096"),
+])
+def test_reference_bad_arguments(tmp_path, args, needle):
+    out = tmp_path / "face.png"
+    result = runner.invoke(app, ["reference", *args, "-o", str(out)])
+    assert result.exit_code == 2
+    assert result.stderr.strip().splitlines() == [f"error: {needle}"]
+    assert not list(tmp_path.iterdir())  # neither the PNG nor its .tmp
+
+
+def test_reference_refuses_a_non_png_name(tmp_path):
+    out = tmp_path / "face.jpg"
+    result = runner.invoke(app, ["reference", "--seed", "1", "-o", str(out)])
+    assert result.exit_code == 2
+    assert result.stderr.strip().splitlines() == [f"error: output: {out} must end in .png"]
+    assert not list(tmp_path.iterdir())
+
+
+def test_reference_help_states_the_size_limit():
+    result = runner.invoke(app, ["reference", "--help"], terminal_width=200)
+    assert "16 to 4096" in result.stdout
 
 
 def test_output_folder_cannot_be_written(job_dir):

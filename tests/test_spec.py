@@ -60,8 +60,16 @@ def test_overrides_and_output_flag(tmp_path, monkeypatch):
     (BASE + "video:\n  fpss: 30\n", [], "unknown key 'video.fpss'"),
     (BASE, ["video.fps=fast"], "video.fps"),
     (BASE, ["chunking.frames=1.5"], "chunking.frames"),
-    (BASE, ["runtime.device=tpu"], "runtime.device"),
-    (BASE, ["video.codec=vp9"], "video.codec"),
+    (BASE, ["runtime.device=tpu"], "'runtime.device': 'tpu', expected one of auto, cpu, cuda"),
+    (BASE, ["video.codec=vp9"], "'video.codec': 'vp9', expected one of auto, libx264, h264_nvenc"),
+    (BASE + "runtime:\n  dtype: int8\n", [],
+     "'runtime.dtype': 'int8', expected one of auto, float32, bfloat16, float16"),
+    (BASE, ["video.preset=ultrafastest"], "video.preset must be one of ultrafast, superfast,"),
+    (BASE, ["video.preset=p4"], "video.preset must be one of"),
+    (BASE, ["video.width=8194", "video.height=256"], "video.width must be at most 8192"),
+    (BASE, ["output=out/${nope}.mp4"], "cannot resolve 'output': Interpolation key 'nope' not found"),
+    (BASE, ["seed=${video.nope}"], "cannot resolve 'seed': Interpolation key 'video.nope' not found"),
+    ("reference: ref.png\naudio: a.wav\noutput: out/${seed.mp4\n", [], "cannot resolve 'output'"),
     (BASE, ["nope.key=1"], "unknown key 'nope'"),
     ("reference: ref.png\naudio: a.wav\n", [], "missing required key 'output'"),
     (BASE, ["video.fps=0"], "video.fps must be positive"),
@@ -83,6 +91,18 @@ def test_bad_specs_name_the_problem(tmp_path, text, overrides, needle):
         load_job(write_job(tmp_path, text), overrides)
     assert needle in str(e.value)
     assert "\n" not in str(e.value)
+
+
+def test_interpolation_sees_overrides_and_paths_stay_relative_to_the_job(tmp_path):
+    job = load_job(write_job(tmp_path, BASE.replace("out.mp4", "out/${model}-${seed}.mp4")), ["seed=7"])
+    assert job.output == tmp_path / "out" / "mini-7.mp4"
+
+
+def test_largest_size_and_every_x264_preset_pass(tmp_path):
+    for preset in ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower", "veryslow",
+                   "placebo"):
+        job = load_job(write_job(tmp_path, BASE), ["video.width=8192", "video.height=8192", f"video.preset={preset}"])
+        assert (job.spec.video.width, job.spec.video.preset) == (8192, preset)
 
 
 def test_transitions_off_lifts_the_transition_rule(tmp_path):
