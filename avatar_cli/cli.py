@@ -94,7 +94,9 @@ def render(
                                               "(key=value) for every job.", show_default=False)],
     output: OutputOpt = None,
     force: Annotated[bool, typer.Option("--force", help="Replace existing outputs, finished or not.")] = False,
-    resume: Annotated[bool, typer.Option("--resume", help="Continue interrupted renders from their checkpoints.")] = False,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue interrupted renders, and refuse to start over "
+                                         "one whose job changed (a plain rerun continues too, but starts a changed "
+                                         "job over).")] = False,
     fail_fast: Annotated[bool, typer.Option("--fail-fast", help="Stop the batch at the first failed job.")] = False,
     shard: Annotated[Optional[str], typer.Option("--shard", help="I/N: render only every N-th job, starting at I "
                                                  "(0-based), of the sorted job list.", show_default=False)] = None,

@@ -9,6 +9,7 @@ from typing import Any, Protocol, TextIO
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
@@ -127,10 +128,10 @@ class RichReporter:
 
     def error(self, code: int, message: str) -> None:
         self._stop()
-        Console(stderr=True).print(f"[red]error:[/] {message}", highlight=False, soft_wrap=True)
+        Console(stderr=True).print(f"[red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
 
     def info(self, message: str) -> None:
-        Console(stderr=True).print(message, highlight=False, soft_wrap=True)
+        Console(stderr=True).print(escape(message), highlight=False, soft_wrap=True)  # paths may hold [..]
 
     def skipped(self, job: str, output: str, reason: str) -> None:
         self.info(f"skip: {output} is {reason}")
@@ -142,7 +143,7 @@ class RichReporter:
             table.add_column(column)
         colour = {"done": "green", "skipped": "cyan", "failed": "red", "interrupted": "yellow"}
         for r in results:
-            table.add_row(r.job, f"[{colour[r.status]}]{r.status}[/]", f"{r.wall_s:.1f} s", r.error or "")
+            table.add_row(escape(r.job), f"[{colour[r.status]}]{r.status}[/]", f"{r.wall_s:.1f} s", escape(r.error or ""))
         self.console.print(table)
         counts = batch_counts(results)
         self.console.print(", ".join(f"{n} {k}" for k, n in counts.items()))

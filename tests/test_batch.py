@@ -383,3 +383,17 @@ def test_render_checkpoints_get_the_mode_open_gives(tmp_path: Path):
         os.umask(old)
     state_files = list(tmp_path.glob("*.safetensors"))
     assert len(state_files) == 1 and state_files[0].stat().st_mode & 0o777 == 0o644
+
+
+def test_terminal_messages_keep_brackets(capsys):
+    """Rich reads '[take]' as markup: a path with brackets must reach the terminal as it is."""
+    from avatar_cli.batch import JobResult
+    from avatar_cli.report import RichReporter
+
+    rich = RichReporter()
+    rich.error(2, "audio: /x/clips[take]/a.wav: not found")
+    rich.info("note: [bold] stays")
+    rich.batch([JobResult("jobs/[a].yaml", "failed", 1.0, 2, "expected one of [auto, cpu]")])
+    out = capsys.readouterr()
+    assert "/x/clips[take]/a.wav" in out.err and "[bold] stays" in out.err
+    assert "[a].yaml" in out.out and "[auto, cpu]" in out.out.replace("\n", "")
