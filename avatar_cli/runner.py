@@ -246,6 +246,21 @@ def render(p: Prepared, reporter: Reporter, models: ModelCache | None = None, re
     frames = dist.agree(p.frames, "the frame count")
     partial = p.job.partial_output
     fingerprint = job_fingerprint(p.job, p.model)
+    if main:
+        make_output_folder(p.job.output)  # the lock file lives beside the output
+    lock = ckpt.OutputLock(partial)
+    busy = dist.broadcast_object(lock.acquire() if main else None)  # every rank stops alike, before any work
+    if busy:
+        raise InputError(f"output: {p.job.output}: {busy}; wait for it to finish or stop it")
+    try:
+        return _render_locked(p, reporter, models, resume, runtime, dist, frames, fingerprint, t_start)
+    finally:
+        lock.release()
+
+
+def _render_locked(p: Prepared, reporter: Reporter, models: ModelCache | None, resume: str, runtime: Runtime,
+                   dist: Dist, frames: int, fingerprint: dict[str, str], t_start: float) -> dict:
+    spec, main, partial = p.job.spec, dist.is_main, p.job.partial_output
     checkpoint, resume_from, source, copy_to = ckpt.Checkpoint(fingerprint, frames, spec.seed), None, None, 0
     found = _resume_point(p, fingerprint, reporter, resume == "strict") if main and resume != "never" else None
     if found is not None:
@@ -263,7 +278,6 @@ def render(p: Prepared, reporter: Reporter, models: ModelCache | None = None, re
     first_put = resume_from.state.published if resume_from else 0
     writer: Mp4Writer | None = None  # ranks other than 0 compute, but write (and decode) nothing
     if main:
-        make_output_folder(p.job.output)
         writer = Mp4Writer(partial, width=p.size[0], height=p.size[1], fps=spec.video.fps, total_frames=frames,
                            audio_path=str(p.job.audio),
                            codec=resolve_codec(spec.video.codec.value, str(runtime.device)),

@@ -397,3 +397,25 @@ def test_terminal_messages_keep_brackets(capsys):
     out = capsys.readouterr()
     assert "/x/clips[take]/a.wav" in out.err and "[bold] stays" in out.err
     assert "[a].yaml" in out.out and "[auto, cpu]" in out.out.replace("\n", "")
+
+
+def test_a_second_render_of_the_same_output_is_refused_while_the_first_runs(job_dir: Path):
+    """Overlapping cron runs or a Slurm requeue: the second must not move the first's partial file away."""
+    from avatar_cli.pipeline.checkpoint import OutputLock
+
+    partial = job_dir / "out" / "video.partial.mp4"
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    first = OutputLock(partial)
+    assert first.acquire() is None
+    try:
+        assert f"pid {os.getpid()}" in OutputLock(partial).acquire()
+        second = cli("render", str(job_dir / "job.yaml"), "--json")
+        assert second.returncode == 2
+        assert "another avatar process" in events(second.stdout)[-1]["message"]
+        assert not (job_dir / "out" / "video.mp4").exists()
+    finally:
+        first.release()
+    assert not first.path.exists()  # no lock file left behind
+    again = cli("render", str(job_dir / "job.yaml"), "--json")
+    assert again.returncode == 0, again.stderr
+    assert sorted(os.listdir(job_dir / "out")) == ["video.mp4"]

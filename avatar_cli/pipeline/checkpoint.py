@@ -173,6 +173,48 @@ def state_from_tensors(t: dict[str, torch.Tensor], held_starts: list[int], publi
                         published=published)
 
 
+class OutputLock:
+    """One render per output at a time: an exclusive flock on `<name>.partial.lock`, held while rendering.
+
+    Two renders of one output (overlapping cron runs, a Slurm requeue while the old task lives) would move
+    each other's partial file and checkpoint away and publish a cut-short video as finished. The lock dies
+    with its process (kill -9 included), so a stale lock file never blocks a rerun.
+    """
+
+    def __init__(self, partial: Path):
+        self.path = partial.with_name(partial.name + ".lock")
+        self.fd: int | None = None
+
+    def acquire(self) -> str | None:
+        """Take the lock; None, or why not (another process holds it)."""
+        import fcntl
+
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+                os.close(fd)
+                return f"another avatar process (pid {holder}) is rendering it now"
+            try:  # the holder may have removed the file between our open and our lock: lock the new one
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                os.ftruncate(fd, 0)
+                os.write(fd, str(os.getpid()).encode())
+                self.fd = fd
+                return None
+            os.close(fd)
+
+    def release(self) -> None:
+        if self.fd is not None:
+            self.path.unlink(missing_ok=True)  # while still held: a waiter re-checks the inode (above)
+            os.close(self.fd)
+            self.fd = None
+
+
 def resume_path(partial: Path) -> Path:
     """Where the interrupted render's file waits while a resumed render copies its frames."""
     return partial.with_name(partial.stem + ".resume-src" + partial.suffix)
