@@ -17,7 +17,7 @@ from avatar_cli.report import Reporter
 @dataclass
 class JobResult:
     job: str
-    status: str  # "done" | "skipped" | "failed" | "interrupted"
+    status: str  # "done" | "skipped" | "failed" | "interrupted" | "not_started" (the batch stopped before it)
     wall_s: float
     code: int = EXIT_OK
     error: str | None = None
@@ -73,7 +73,12 @@ def is_complete(output: Path, tag: str) -> bool:
 
 
 def run_batch(jobs: list[Path], overrides: list[str], output: str | None, force: bool, resume: bool,
-              fail_fast: bool, reporter: Reporter, debug: bool = False) -> list[JobResult]:
+              fail_fast: bool, reporter: Reporter, debug: bool = False, report_batch: bool = True) -> list[JobResult]:
+    """Render the jobs in order; every job gets a result, those after a stop 'not_started'.
+
+    report_batch: on an interrupt, emit the batch summary before the interrupt goes on up (the CLI emits it
+    otherwise, for a batch; a single job gives no summary).
+    """
     from avatar_cli import runner
     from avatar_cli.pipeline.fingerprint import job_fingerprint
     from avatar_cli.runtime.distributed import launched_by_torchrun
@@ -124,18 +129,24 @@ def run_batch(jobs: list[Path], overrides: list[str], output: str | None, force:
         except SystemExit:
             raise
         except BaseException:  # Ctrl-C or SIGTERM: the summary still says what was done, then the CLI exits
-            if len(jobs) > 1:
-                results.append(JobResult(str(path), "interrupted", time.perf_counter() - t0))
+            results.append(JobResult(str(path), "interrupted", time.perf_counter() - t0))
+            results += _not_started(jobs, results)
+            if report_batch:
                 reporter.batch(results)
             raise
     return results
 
 
 def _stopped(reporter: Reporter, jobs: list[Path], results: list, fail_fast: bool) -> None:
-    left = len(jobs) - len(results)
+    left = _not_started(jobs, results)
     if left:
         why = "--fail-fast" if fail_fast else "a render failed under torchrun, so the ranks may be out of step"
-        reporter.info(f"batch stopped ({why}): {left} job(s) not started")
+        reporter.info(f"batch stopped ({why}): {len(left)} job(s) not started")
+    results += left
+
+
+def _not_started(jobs: list[Path], results: list) -> list[JobResult]:
+    return [JobResult(str(path), "not_started", 0.0) for path in jobs[len(results):]]
 
 
 def batch_exit_code(results: list[JobResult]) -> int:

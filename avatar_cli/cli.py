@@ -4,6 +4,7 @@ Exit codes: 0 success; 1 failure while rendering; 2 invalid job spec or input; 1
 143 terminated (SIGTERM).
 """
 
+import glob
 import os
 import signal
 import sys
@@ -84,6 +85,11 @@ def _run(action, json_mode: Optional[bool], debug: bool) -> None:
             traceback.print_exc()
         reporter.error(1, f"render failed: {type(e).__name__}: {e}".splitlines()[0] + " (run with --debug for details)")
         raise typer.Exit(1) from None
+    finally:
+        # The outcome is decided (the output committed, or the error reported): a signal now, while the
+        # interpreter winds down, must not turn it into 130/143 (a Slurm SIGTERM would fail a finished job).
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if code:
         raise typer.Exit(code)
 
@@ -132,12 +138,14 @@ def render(
                 reporter.info(f"note: no GPU here: the {nproc} workers share this host's CPUs, which is slower than "
                               "one process (measured 1.6x slower on 2 cores); --nproc is meant for GPUs")
             return relaunch(nproc, _without_nproc(sys.argv[1:]), debug)
-        results = run_batch(jobs, overrides, output, force, resume, fail_fast, reporter, debug)
+        # A folder, a glob or a shard is a batch even when it holds one job: the same events every time.
+        as_batch = len(jobs) != 1 or shard is not None or any(Path(a).is_dir() or glob.has_magic(a) for a in job_args)
+        results = run_batch(jobs, overrides, output, force, resume, fail_fast, reporter, debug, as_batch)
         from avatar_cli.runtime.distributed import shutdown_distributed
 
         if all(r.status != "failed" for r in results):  # after a failure the peers may be gone: just exit
             shutdown_distributed()  # under torchrun: every rank is done before any process group goes away
-        if len(jobs) != 1:
+        if as_batch:
             reporter.batch(results)
         return batch_exit_code(results)
 

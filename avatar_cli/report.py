@@ -38,10 +38,8 @@ class Reporter(Protocol):
 
 
 def batch_counts(results: list) -> dict[str, int]:
-    counts = {status: sum(r.status == status for r in results) for status in ("done", "skipped", "failed")}
-    if any(r.status == "interrupted" for r in results):
-        counts["interrupted"] = 1
-    return counts
+    statuses = ("done", "skipped", "failed", "interrupted", "not_started")
+    return {status: sum(r.status == status for r in results) for status in statuses}
 
 
 class JsonReporter:
@@ -141,7 +139,7 @@ class RichReporter:
         table = Table(title="batch")
         for column in ("job", "status", "wall", "error"):
             table.add_column(column)
-        colour = {"done": "green", "skipped": "cyan", "failed": "red", "interrupted": "yellow"}
+        colour = {"done": "green", "skipped": "cyan", "failed": "red", "interrupted": "yellow", "not_started": "dim"}
         for r in results:
             table.add_row(escape(r.job), f"[{colour[r.status]}]{r.status}[/]", f"{r.wall_s:.1f} s", escape(r.error or ""))
         self.console.print(table)

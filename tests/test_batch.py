@@ -112,8 +112,12 @@ def test_resume_with_nothing_to_resume_renders_and_skips_what_is_done(job_dir: P
     assert first.returncode == 0 and "nothing to resume" in first.stderr
     both = cli("render", str(jobs), "--resume", "--json")
     assert both.returncode == 0, both.stdout
-    assert events(both.stdout)[-1] == {"event": "batch", "jobs": 2, "done": 1, "skipped": 1, "failed": 0}
+    assert events(both.stdout)[-1] == {"event": "batch", "jobs": 2, "done": 1, "skipped": 1, "failed": 0,
+                                       "interrupted": 0, "not_started": 0}
     assert any(e["event"] == "skipped" and e["job"].endswith("a.yaml") for e in events(both.stdout))
+    # A shard (or folder, or glob) of one job is still a batch: the same events, whatever the share's size.
+    one = cli("render", str(jobs), "--shard", "0/2", "--json")
+    assert [e["event"] for e in events(one.stdout)] == ["skipped", "job", "batch"]
 
 
 @pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
@@ -176,14 +180,16 @@ def test_bulk_one_bad_job_does_not_sink_the_batch(job_dir: Path):
     assert status == {"a": "done", "b": "failed", "c": "done"}
     bad = [e for e in evs if e["event"] == "job" and e["status"] == "failed"][0]
     assert "missing.wav" in bad["error"]
-    assert evs[-1] == {"event": "batch", "jobs": 3, "done": 2, "skipped": 0, "failed": 1}
+    assert evs[-1] == {"event": "batch", "jobs": 3, "done": 2, "skipped": 0, "failed": 1,
+                      "interrupted": 0, "not_started": 0}
     assert (job_dir / "out" / "a.mp4").exists() and (job_dir / "out" / "c.mp4").exists()
 
     # --fail-fast stops at the bad job.
     shutil.rmtree(job_dir / "out")
     result = cli("render", str(jobs), "--json", "--fail-fast")
     assert result.returncode == 2
-    assert [e["status"] for e in events(result.stdout) if e["event"] == "job"] == ["done", "failed"]
+    assert [e["status"] for e in events(result.stdout) if e["event"] == "job"] == ["done", "failed", "not_started"]
+    assert events(result.stdout)[-1]["jobs"] == 3  # every job of the list is accounted for
 
 
 class Recorder:
@@ -227,7 +233,7 @@ def test_an_interrupted_batch_still_reports_what_it_did(job_dir: Path, monkeypat
     rec = Recorder()
     with pytest.raises(KeyboardInterrupt):
         run_batch(sorted(jobs.glob("*.yaml")), [], None, False, False, False, rec)
-    assert rec.lines[-1] == "batch: done interrupted"
+    assert rec.lines[-1] == "batch: done interrupted not_started"
 
 
 def test_under_torchrun_a_failed_render_ends_the_batch_but_bad_input_does_not(job_dir: Path, monkeypatch):
@@ -250,7 +256,7 @@ def test_under_torchrun_a_failed_render_ends_the_batch_but_bad_input_does_not(jo
     rec = Recorder()
     results = run_batch(sorted(jobs.glob("*.yaml")), [], None, False, False, False, rec)
     assert rendered == ["b", "c"]  # a: bad input, found before any collective; d: never started
-    assert [r.status for r in results] == ["failed", "done", "failed"]
+    assert [r.status for r in results] == ["failed", "done", "failed", "not_started"]
     assert "batch stopped (a render failed under torchrun, so the ranks may be out of step): 1 job(s) not started" \
         in rec.lines
 
@@ -266,7 +272,8 @@ def test_rerun_skips_finished_jobs_and_force_redoes_them(job_dir: Path):
     mtimes = {p.name: p.stat().st_mtime_ns for p in (job_dir / "out").glob("*.mp4")}
     again = cli("render", str(jobs / "*.yaml"), "--json")
     assert again.returncode == 0
-    assert events(again.stdout)[-1] == {"event": "batch", "jobs": 2, "done": 0, "skipped": 2, "failed": 0}
+    assert events(again.stdout)[-1] == {"event": "batch", "jobs": 2, "done": 0, "skipped": 2, "failed": 0,
+                                         "interrupted": 0, "not_started": 0}
     assert {p.name: p.stat().st_mtime_ns for p in (job_dir / "out").glob("*.mp4")} == mtimes
     # A job whose spec changed is not "finished": without --force its old output is protected.
     (jobs / "a.yaml").write_text((jobs / "a.yaml").read_text() + "prompt: smiling\n")
@@ -419,3 +426,29 @@ def test_a_second_render_of_the_same_output_is_refused_while_the_first_runs(job_
     again = cli("render", str(job_dir / "job.yaml"), "--json")
     assert again.returncode == 0, again.stderr
     assert sorted(os.listdir(job_dir / "out")) == ["video.mp4"]
+
+
+@pytest.mark.parametrize("outcome", [0, 2])
+def test_once_the_outcome_is_decided_a_signal_no_longer_changes_the_exit_code(outcome):
+    """A Slurm SIGTERM while the interpreter winds down after `done` must not fail a finished job."""
+    import typer
+
+    from avatar_cli import cli as cli_module
+    from avatar_cli.errors import InputError
+
+    def action(reporter):
+        if outcome:
+            raise InputError("bad")
+        assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_IGN, signal.SIG_DFL)  # live while working
+        return 0
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        try:
+            cli_module._run(action, True, False)
+        except typer.Exit as e:
+            assert e.exit_code == outcome
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN and signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
