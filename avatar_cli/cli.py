@@ -320,6 +320,9 @@ def main() -> None:
     # be torn down out of order there and abort the process ("terminate called without an active
     # exception", SIGABRT, no Python frame left) although every rank finished: 1 of 18 runs of the 2-rank
     # test script did, after the final barrier and destroy_process_group. Everything of ours is closed by now.
+    from avatar_cli.runtime.launch import follow_launcher
+
+    follow_launcher()
     try:
         app()
         code = 0

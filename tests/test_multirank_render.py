@@ -163,3 +163,29 @@ def test_a_rank_count_the_heads_do_not_divide_is_bad_input_without_a_traceback(j
     assert error["code"] == 2 and "dit.heads=2 is not divisible by the degree 3" in error["message"]
     assert "error (rank 1): sequence parallel" in r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["job.yaml", "ref.png", "speech.wav"]  # nothing written
+
+
+def test_workers_stop_when_the_launcher_is_killed(job_dir: Path, tmp_path: Path):
+    """kill -9 of the launcher (an OOM kill, a scheduler): its orphaned workers must not render on."""
+    import os
+    import signal
+    import time
+
+    out = tmp_path / "v.mp4"
+    proc = start_long_render(job_dir, out)
+    try:
+        workers = [p for p in descendants(proc.pid) if rank_of(p) is not None]
+        assert len(workers) == 2, workers
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in workers):
+            time.sleep(0.2)
+        alive = [p for p in workers if Path(f"/proc/{p}").exists()
+                 and "Z" not in Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0]]
+    finally:
+        proc.kill()
+        for p in [p for p in workers if Path(f"/proc/{p}").exists()]:
+            os.kill(p, signal.SIGKILL)
+    assert not alive, "workers outlived their launcher"
+    assert not out.exists()

@@ -61,6 +61,25 @@ def check_rank_count(jobs: list, overrides: list[str], output: str | None, nproc
             raise InputError(f"{path}: {e}" if len(jobs) > 1 else str(e)) from None
 
 
+def follow_launcher(poll_s: float = 0.5) -> None:
+    """In a torchrun worker: stop as on SIGTERM if the launcher that started us dies (even by kill -9).
+
+    Orphaned workers otherwise render on, reparented to init, and finish or overwrite files of a rerun.
+    Polling the parent pid works whichever thread spawned us (PR_SET_PDEATHSIG fires on that thread's exit).
+    """
+    import threading
+    import time
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os.kill(os.getpid(), signal.SIGTERM)  # the render winds down and keeps its checkpoint
+
+    threading.Thread(target=watch, name="follow-launcher", daemon=True).start()
+
+
 def relaunch(nproc: int, cli_args: list[str], debug: bool = False) -> int:
     """Run `python -m avatar_cli <cli_args>` in nproc workers; returns the exit code (non-zero if any failed).
 
