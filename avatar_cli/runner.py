@@ -194,10 +194,7 @@ def _resume_point(p: Prepared, fingerprint: dict[str, str], reporter: Reporter, 
     if source is None:
         reporter.info(f"resume: the partial file of {output} is gone; rendering it from the start")
         return None
-    from avatar_cli.media.writer import scan_video
-
-    on_disk, keys = scan_video(source)
-    copy_to = max([k for k in keys if k <= on_disk] or [0])
+    on_disk, copy_to = ckpt.copyable_frames(source)
     usable = [pt for pt in found.points if pt.published <= copy_to]
     if not usable:
         reporter.info(f"resume: the {on_disk} frames on disk end before the first point a render can continue from "
@@ -323,7 +320,7 @@ def _render_locked(p: Prepared, reporter: Reporter, models: ModelCache | None, r
         if not main:
             raise
         writer.abort()
-        kept = ckpt.resumable(partial, checkpoint)
+        kept = ckpt.resumable(partial, checkpoint, spec.video.fps)
         if not kept:
             ckpt.discard_partial(partial)
         if isinstance(e, RenderError):

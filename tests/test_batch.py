@@ -143,19 +143,26 @@ def test_signal_leaves_partial_and_checkpoint(job_dir: Path, sig, code):
     assert resumed.returncode == 0 and events(resumed.stdout)[-1]["resumed_at"] > 0
 
 
-def test_stopped_before_the_first_checkpoint_leaves_nothing(job_dir: Path, monkeypatch):
-    """Ctrl-C before the first checkpoint is saved: nothing could continue the render, so nothing stays."""
+@pytest.mark.parametrize("when", ["saving the first checkpoint", "after the first chunk"])
+def test_stopped_before_a_checkpoint_a_rerun_can_use_leaves_nothing(job_dir: Path, monkeypatch, when):
+    """Ctrl-C before there is a point to continue from: before the first checkpoint is saved, or after it
+    but while the file holds no keyframe past it (the first fragment not yet on disk). Nothing stays."""
     from avatar_cli import runner
     from avatar_cli.pipeline import checkpoint
     from avatar_cli.spec import load_job
 
-    def interrupted(self, next_chunk, state):
-        raise KeyboardInterrupt  # arrives as the first stretch is published, its frames already encoding
+    def interrupted(*_, **__):
+        raise KeyboardInterrupt
 
-    monkeypatch.setattr(checkpoint.CheckpointWriter, "save", interrupted)
+    class StopAtFirstChunk(Recorder):
+        chunk = interrupted
+
+    if when == "saving the first checkpoint":
+        monkeypatch.setattr(checkpoint.CheckpointWriter, "save", interrupted)
     job = load_job(job_dir / "job.yaml")
     with pytest.raises(KeyboardInterrupt) as stopped:
-        runner.render(runner.prepare(job), Recorder(), resume="auto")
+        runner.render(runner.prepare(job), StopAtFirstChunk() if when == "after the first chunk" else Recorder(),
+                      resume="auto")
     assert stopped.value.kept_partial is False
     assert not job.output.exists() and os.listdir(job.output.parent) == []
 

@@ -143,9 +143,29 @@ def remove_checkpoint(partial: Path) -> None:
         f.unlink(missing_ok=True)
 
 
-def resumable(partial: Path, ckpt: Checkpoint) -> bool:
-    """Whether a rerun can continue this render: a saved point, its JSON on disk, a file beside it."""
-    return bool(ckpt.points) and paths(partial)[0].is_file() and (partial.exists() or resume_path(partial).exists())
+def copyable_frames(video: Path) -> tuple[int, int]:
+    """(frames that decode from a possibly cut-off file, K): a resume copies frames [0, K), K its last
+    keyframe with everything before it on disk, so the new encoder starts a GOP where the old one did."""
+    from avatar_cli.media.writer import scan_video
+
+    on_disk, keys = scan_video(video)
+    return on_disk, max([k for k in keys if k <= on_disk] or [0])
+
+
+def resumable(partial: Path, ckpt: Checkpoint, fps: float) -> bool:
+    """Whether a rerun can continue this render: a saved point whose frames are on disk up to a keyframe.
+
+    Early on (the first checkpoint comes before the first keyframe after frame 0) that is checked on the
+    file itself, which is then a few seconds long; later a usable point is certain (the ring of points
+    reaches back several fragments) and decoding an hour of video to confirm it would hold up the exit.
+    """
+    files = [f for f in (partial, resume_path(partial)) if f.exists()]
+    if not (ckpt.points and paths(partial)[0].is_file() and files):
+        return False
+    if max(pt.published for pt in ckpt.points) >= 4 * fps:
+        return True
+    first = min(pt.published for pt in ckpt.points)
+    return any(copyable_frames(f)[1] >= first for f in files)
 
 
 def load_checkpoint(partial: Path) -> Checkpoint | None:
