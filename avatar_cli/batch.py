@@ -10,7 +10,7 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-from avatar_cli.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_RENDER_FAILED, AvatarError, SpecError
+from avatar_cli.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_RENDER_FAILED, AvatarError, SpecError, failure_message
 from avatar_cli.report import Reporter
 
 
@@ -120,7 +120,7 @@ def run_batch(jobs: list[Path], overrides: list[str], output: str | None, force:
         except Exception as e:  # an unexpected failure in one job must not sink the batch
             if debug:
                 traceback.print_exc()
-            message = f"render failed: {type(e).__name__}: {e}".splitlines()[0]
+            message = failure_message(e)
             reporter.error(EXIT_RENDER_FAILED, f"{path}: {message}" if len(jobs) > 1 else message)
             results.append(JobResult(str(path), "failed", time.perf_counter() - t0, EXIT_RENDER_FAILED, message))
             if fail_fast or (ranked and rendering):

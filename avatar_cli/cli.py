@@ -14,7 +14,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from avatar_cli.errors import EXIT_INTERRUPTED, EXIT_TERMINATED, AvatarError
+from avatar_cli.errors import EXIT_INTERRUPTED, EXIT_TERMINATED, AvatarError, failure_message
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Render talking-avatar videos of any length from a reference picture and a speech track.")
@@ -83,7 +83,7 @@ def _run(action, json_mode: Optional[bool], debug: bool) -> None:
     except Exception as e:  # an unexpected failure while rendering
         if debug:
             traceback.print_exc()
-        reporter.error(1, f"render failed: {type(e).__name__}: {e}".splitlines()[0] + " (run with --debug for details)")
+        reporter.error(1, failure_message(e) + " (run with --debug for details)")
         raise typer.Exit(1) from None
     finally:
         # The outcome is decided (the output committed, or the error reported): a signal now, while the

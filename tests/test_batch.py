@@ -459,3 +459,12 @@ def test_once_the_outcome_is_decided_a_signal_no_longer_changes_the_exit_code(ou
     finally:
         for s, handler in saved.items():
             signal.signal(s, handler)
+
+
+def test_failure_messages_are_one_line_and_a_lost_peer_is_said_in_words():
+    from avatar_cli.errors import failure_message
+
+    gloo = RuntimeError("[/__w/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:545] Read error "
+                        "[127.0.0.1]:41234: Connection reset by peer")
+    assert failure_message(gloo) == "render failed: lost the connection to another rank (it stopped or was killed)"
+    assert failure_message(ValueError("bad\nsecond line")) == "render failed: ValueError: bad"

@@ -108,7 +108,8 @@ def start_long_render(job_dir: Path, out: Path) -> subprocess.Popen:
     return proc
 
 
-def test_killing_a_rank_ends_the_render(job_dir: Path, tmp_path: Path):
+@pytest.mark.parametrize("victim", [1, 0])
+def test_killing_a_rank_ends_the_render(job_dir: Path, tmp_path: Path, victim: int):
     import os
     import signal
     import time
@@ -116,17 +117,21 @@ def test_killing_a_rank_ends_the_render(job_dir: Path, tmp_path: Path):
     out = tmp_path / "v.mp4"
     proc = start_long_render(job_dir, out)
     try:
-        victims = [p for p in descendants(proc.pid) if rank_of(p) == 1]
-        assert victims, "rank 1 not found"
+        victims = [p for p in descendants(proc.pid) if rank_of(p) == victim]
+        assert victims, f"rank {victim} not found"
         os.kill(victims[0], signal.SIGKILL)
         killed = time.monotonic()
-        proc.communicate(timeout=90)
+        rest, err = proc.communicate(timeout=90)
         took = time.monotonic() - killed
     finally:
         proc.kill()
     assert proc.returncode == 1  # a render failure: the dead rank's, not the survivor's collateral SIGTERM
     assert took < 60, f"took {took:.1f} s"
     assert not out.exists()
+    assert "pair.cc" not in rest + err  # the backend's source path is no message for a user
+    errors = [json.loads(line) for line in rest.splitlines() if '"error"' in line]
+    if victim == 0:  # the rank that reports is gone: the launcher says what happened
+        assert errors and "rank 0 was killed (SIGKILL)" in errors[-1]["message"]
 
 
 def test_ctrl_c_on_the_launcher_ends_every_rank_and_keeps_the_partial(job_dir: Path, tmp_path: Path):

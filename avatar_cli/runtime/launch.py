@@ -12,7 +12,7 @@ import signal
 import sys
 import uuid
 
-from avatar_cli.errors import EXIT_INTERRUPTED, EXIT_RENDER_FAILED, EXIT_TERMINATED
+from avatar_cli.errors import EXIT_INTERRUPTED, EXIT_RENDER_FAILED, EXIT_TERMINATED, RenderError
 from avatar_cli.runtime.distributed import launched_by_torchrun
 
 
@@ -102,7 +102,12 @@ def relaunch(nproc: int, cli_args: list[str], debug: bool = False) -> int:
     try:
         elastic_launch(config, sys.executable)("-m", "avatar_cli", *cli_args)
     except ChildFailedError as e:
-        return exit_code({rank: f.exitcode for rank, f in e.failures.items()})
+        codes = {rank: f.exitcode for rank, f in e.failures.items()}
+        if codes.get(0, 0) < 0 and -codes[0] != signal.SIGTERM:  # rank 0, the one that reports, died unheard
+            name = signal.Signals(-codes[0]).name
+            raise RenderError(f"rank 0 was killed ({name}) and the other ranks stopped; its partial output and "
+                              "checkpoint stay: render again to continue") from None
+        return exit_code(codes)
     except SignalException as e:  # Ctrl-C or SIGTERM to this process: the launcher has ended the workers
         return EXIT_INTERRUPTED if e.sigval == signal.SIGINT else EXIT_TERMINATED
     return 0
