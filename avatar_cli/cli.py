@@ -53,6 +53,9 @@ def _install_signal_handlers() -> None:
     signal.signal(signal.SIGTERM, handler(Terminated, EXIT_TERMINATED))
 
 
+_interrupt_reported = False  # _run said so already; _app must not say it twice
+
+
 def _kept_text(kept: Optional[bool]) -> str:
     """What an interrupted render left (None: no render was under way)."""
     if kept is None:
@@ -77,6 +80,8 @@ def _run(action, json_mode: Optional[bool], debug: bool) -> None:
         reporter.error(e.exit_code, str(e))
         raise typer.Exit(e.exit_code) from None
     except (KeyboardInterrupt, Terminated) as e:
+        global _interrupt_reported
+        _interrupt_reported = True
         code, what = (EXIT_TERMINATED, "terminated") if isinstance(e, Terminated) else (EXIT_INTERRUPTED, "interrupted")
         reporter.error(code, what + _kept_text(getattr(e, "kept_partial", None)))
         raise typer.Exit(code) from None
@@ -312,10 +317,44 @@ def _print_info(reporter, info: dict) -> None:
         print()
 
 
+def _app() -> int:
+    """Run the Typer app and return the exit code. Usage errors (an unknown option, a missing argument) and
+    a Ctrl-C before a command's own handlers are up end as every other error: one line, JSON when asked.
+
+    Click's exceptions are recognised by shape: newer Typer vendors Click privately, older depends on it.
+    """
+    global _interrupt_reported
+    argv = sys.argv[1:]
+    json_mode = True if "--json" in argv else False if "--no-json" in argv else None
+    try:
+        code = app(standalone_mode=False)
+    except Exception as e:
+        if type(e).__name__ == "NoArgsIsHelpError":  # plain `avatar`: the help, as asked for
+            print(e.format_message())
+            return 0
+        usage = hasattr(e, "format_message") and isinstance(getattr(e, "exit_code", None), int)
+        if not usage and type(e).__name__ != "Abort":
+            raise
+        from avatar_cli.report import make_reporter
+
+        if not usage:
+            make_reporter(json_mode).error(EXIT_INTERRUPTED, "interrupted")
+            return EXIT_INTERRUPTED
+        ctx = getattr(e, "ctx", None)
+        where = f" (see {ctx.command_path} --help)" if ctx is not None else ""
+        make_reporter(json_mode).error(e.exit_code, e.format_message().splitlines()[0] + where)
+        return e.exit_code
+    code = code if isinstance(code, int) else 0
+    if code == EXIT_INTERRUPTED and not _interrupt_reported:  # Ctrl-C while starting: Typer says nothing
+        from avatar_cli.report import make_reporter
+
+        make_reporter(json_mode).error(EXIT_INTERRUPTED, "interrupted")
+    return code
+
+
 def main() -> None:
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:  # not a torchrun worker (checked without importing torch)
-        app()
-        return
+        sys.exit(_app())
     # A torchrun worker leaves without the interpreter's C++ teardown: after a run, gloo's threads can still
     # be torn down out of order there and abort the process ("terminate called without an active
     # exception", SIGABRT, no Python frame left) although every rank finished: 1 of 18 runs of the 2-rank
@@ -324,8 +363,7 @@ def main() -> None:
 
     follow_launcher()
     try:
-        app()
-        code = 0
+        code = _app()
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     sys.stdout.flush()

@@ -468,3 +468,13 @@ def test_failure_messages_are_one_line_and_a_lost_peer_is_said_in_words():
                         "[127.0.0.1]:41234: Connection reset by peer")
     assert failure_message(gloo) == "render failed: lost the connection to another rank (it stopped or was killed)"
     assert failure_message(ValueError("bad\nsecond line")) == "render failed: ValueError: bad"
+
+
+@pytest.mark.parametrize("args", [["render", "--bogus"], ["render"], ["render", "job.yaml", "--nproc", "abc"]])
+def test_usage_errors_are_one_line_and_json_when_asked(args):
+    result = cli(*args, "--json")
+    assert result.returncode == 2
+    lines = result.stdout.splitlines()
+    assert len(lines) == 1 and json.loads(lines[0])["event"] == "error"
+    assert "render --help" in json.loads(lines[0])["message"]
+    assert len(result.stderr.strip().splitlines()) == 1 and "Usage" not in result.stderr
