@@ -13,6 +13,8 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from avatar_cli.errors import EXIT_INTERRUPTED, EXIT_TERMINATED
+
 
 def peak_rss_mb() -> float:
     # ru_maxrss is in KiB on Linux.
@@ -172,6 +174,8 @@ class QuietReporter:
         pass
 
     def error(self, code: int, message: str) -> None:
+        if code in (EXIT_INTERRUPTED, EXIT_TERMINATED):  # every rank got the signal; rank 0 says so once
+            return
         print(f"error (rank {self.rank}): {message}", file=sys.stderr)
 
 

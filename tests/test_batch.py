@@ -478,3 +478,26 @@ def test_usage_errors_are_one_line_and_json_when_asked(args):
     assert len(lines) == 1 and json.loads(lines[0])["event"] == "error"
     assert "render --help" in json.loads(lines[0])["message"]
     assert len(result.stderr.strip().splitlines()) == 1 and "Usage" not in result.stderr
+
+
+def test_other_ranks_leave_the_interrupt_message_to_rank_0(capsys):
+    from avatar_cli.report import QuietReporter
+
+    QuietReporter(1).error(130, "interrupted")
+    QuietReporter(1).error(1, "render failed: boom")
+    assert capsys.readouterr().err == "error (rank 1): render failed: boom\n"
+
+
+def test_an_interrupted_checkpoint_write_leaves_no_temporary_file(tmp_path: Path, monkeypatch):
+    from avatar_cli.pipeline import checkpoint
+
+    target = tmp_path / "video.partial.ckpt.json"
+    target.write_text("old")
+
+    def interrupted(fd):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "fsync", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint._atomic_write(target, b"new")
+    assert os.listdir(tmp_path) == ["video.partial.ckpt.json"] and target.read_text() == "old"

@@ -87,8 +87,8 @@ def _atomic_write(path: Path, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-    except OSError:
-        tmp.unlink(missing_ok=True)  # the previous checkpoint stays as it was
+    except BaseException:  # a full disk, or Ctrl-C mid-write: the previous checkpoint stays as it was
+        tmp.unlink(missing_ok=True)
         raise
     os.replace(tmp, path)
 
