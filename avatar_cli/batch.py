@@ -24,6 +24,11 @@ class JobResult:
     output: str | None = None
 
 
+def names_several(arg: str) -> bool:
+    """A folder or a glob: a batch, however many jobs it turns out to hold."""
+    return Path(arg).is_dir() or glob.has_magic(arg)
+
+
 def expand_jobs(args: list[str]) -> list[Path]:
     """Files as given; folders as their *.yaml/*.yml files; globs expanded. Sorted within each argument."""
     jobs: list[Path] = []

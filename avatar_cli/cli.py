@@ -4,7 +4,6 @@ Exit codes: 0 success; 1 failure while rendering; 2 invalid job spec or input; 1
 143 terminated (SIGTERM).
 """
 
-import glob
 import os
 import signal
 import sys
@@ -119,7 +118,7 @@ def render(
     debug = debug or os.environ.get("AVATAR_DEBUG") == "1"
 
     def action(reporter):
-        from avatar_cli.batch import batch_exit_code, expand_jobs, parse_shard, run_batch, take_shard
+        from avatar_cli.batch import batch_exit_code, expand_jobs, names_several, parse_shard, run_batch, take_shard
         from avatar_cli.errors import SpecError
 
         if nproc < 1:  # the launcher would quietly treat 0 or -1 as one process
@@ -144,7 +143,7 @@ def render(
                               "one process (measured 1.6x slower on 2 cores); --nproc is meant for GPUs")
             return relaunch(nproc, _without_nproc(sys.argv[1:]), debug)
         # A folder, a glob or a shard is a batch even when it holds one job: the same events every time.
-        as_batch = len(jobs) != 1 or shard is not None or any(Path(a).is_dir() or glob.has_magic(a) for a in job_args)
+        as_batch = len(jobs) != 1 or shard is not None or any(map(names_several, job_args))
         results = run_batch(jobs, overrides, output, force, resume, fail_fast, reporter, debug, as_batch)
         from avatar_cli.runtime.distributed import shutdown_distributed
 
@@ -167,12 +166,13 @@ def validate(job: JobArg, overrides: OverridesArg = None, output: OutputOpt = No
 
         j = load_job(job, overrides, output)
         p = runner.prepare(j, force=True)  # an existing output is render's business (--force), not validity
+        warnings = p.warnings
         info = {"event": "valid", "job": str(j.path), "reference": str(j.reference),
                 "reference_size": [int(p.image.shape[1]), int(p.image.shape[0])], "audio": str(j.audio),
                 "audio_s": round(p.audio.duration_s, 4), "frames": p.frames, "video_fps": j.spec.video.fps,
                 "size": list(p.size), "model": p.model.name, "output": str(j.output),
-                "output_exists": j.output.exists(), "warnings": p.warnings}
-        for warning in p.warnings:
+                "output_exists": j.output.exists(), "warnings": warnings}
+        for warning in warnings:
             reporter.info(warning)
         _print_info(reporter, info)
 
@@ -323,7 +323,6 @@ def _app() -> int:
 
     Click's exceptions are recognised by shape: newer Typer vendors Click privately, older depends on it.
     """
-    global _interrupt_reported
     argv = sys.argv[1:]
     json_mode = True if "--json" in argv else False if "--no-json" in argv else None
     try:
