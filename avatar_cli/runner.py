@@ -25,7 +25,7 @@ from avatar_cli.pipeline.fingerprint import describe_change, job_fingerprint
 from avatar_cli.pipeline.run import ChunkDone, Pipeline, ResumeFrom, Stretch
 from avatar_cli.pipeline.schedule import num_frames
 from avatar_cli.report import Reporter, peak_rss_mb
-from avatar_cli.runtime.device import Runtime, resolve_runtime
+from avatar_cli.runtime.device import Runtime, cpu_info, dtype_name, resolve_runtime
 from avatar_cli.runtime.distributed import Dist, current_dist, launched_by_torchrun
 from avatar_cli.runtime.numa import bind_to_gpu_node
 from avatar_cli.runtime.offload import Transfer
@@ -146,13 +146,14 @@ def setup_runtime(spec) -> tuple[Runtime, Dist]:
     The binding comes before the process group: NCCL, initialized eagerly for our device, allocates its
     own pinned host buffers, and those too should sit on the GPU's node.
     """
-    runtime = resolve_runtime(spec.runtime)
+    rt = spec.runtime
+    runtime = resolve_runtime(rt.device.value, rt.dtype.value, rt.threads)
     if runtime.is_cuda:
         index = int(os.environ["LOCAL_RANK"]) if launched_by_torchrun() else torch.cuda.current_device()
         if index >= torch.cuda.device_count():
             raise InputError(f"runtime: this worker is local rank {index} but only {torch.cuda.device_count()} "
                              "GPU(s) are visible: start at most one process per GPU (--nproc)")
-        runtime = Runtime(torch.device("cuda", index), runtime.dtype)
+        runtime = Runtime(torch.device("cuda", index), runtime.dtype, runtime.dtype_reason)
         cpus = bind_to_gpu_node(runtime.device)
         if cpus and spec.runtime.threads <= 0:
             torch.set_num_threads(min(torch.get_num_threads(), len(cpus)))  # no more threads than our CPUs
@@ -208,7 +209,8 @@ def _resume_point(p: Prepared, fingerprint: dict[str, str], reporter: Reporter, 
     found.points = [pt for pt in found.points if pt.published <= point.published]
     reporter.info(f"resume: {on_disk} frames were on disk; copying {copy_to}, generating again from frame "
                   f"{point.published} of {p.frames}")
-    rt = resolve_runtime(p.job.spec.runtime)
+    rs = p.job.spec.runtime
+    rt = resolve_runtime(rs.device.value, rs.dtype.value, rs.threads)
     state = ckpt.load_state(partial, point, rt.device, rt.dtype)
     return found, ResumeFrom(point.next_chunk, state), source, copy_to
 
@@ -284,6 +286,8 @@ def _render_locked(p: Prepared, reporter: Reporter, models: ModelCache | None, r
     reader = AudioWindowReader(p.job.audio, sample_rate=p.model.config.audio.sample_rate, info=p.audio)
     for warning in p.warnings if main else []:
         reporter.info(warning)
+    if main and spec.runtime.dtype.value == "auto":
+        reporter.info(f"dtype: {dtype_name(runtime.dtype)} ({runtime.dtype_reason})")
     reporter.start(output=str(p.job.output), frames=frames, chunks=len(chunks), fps=spec.video.fps)
     done_chunks = resume_from.next_chunk if resume_from else 0
 
@@ -345,6 +349,8 @@ def _render_locked(p: Prepared, reporter: Reporter, models: ModelCache | None, r
         "load_s": round(t_render - t_start, 4), "generate_s": round(gen_s, 4),
         "compute_s": {k: round(v, 4) for k, v in stats.compute_s.items()},
         "resumed_at": first_put, "frames_digest": checkpoint.frames_digest, "ranks": dist.world_size,
+        "dtype": dtype_name(runtime.dtype), "dtype_reason": runtime.dtype_reason,
+        "cpu_capability": cpu_info().capability,
     }
 
 

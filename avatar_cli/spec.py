@@ -83,7 +83,7 @@ class ChunkingSpec:
 @dataclass
 class RuntimeSpec:
     device: Device = Device.auto
-    dtype: DType = DType.auto  # auto: bfloat16 (faster than float32 on both modern CPUs and GPUs)
+    dtype: DType = DType.auto  # auto: bfloat16 on CUDA and on CPUs with native bf16, else float32
     threads: int = 0  # torch CPU threads; 0 = one per core
     offload: Offload = Offload.auto  # GPU: where idle models wait (auto decides from free GPU memory)
     reshard: Reshard = Reshard.per_block  # several GPUs: FSDP2 reshards after each block, or after each stage

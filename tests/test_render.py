@@ -11,7 +11,9 @@ from pathlib import Path
 import av
 import numpy as np
 import pytest
+import torch
 
+from avatar_cli.runtime.device import auto_dtype
 from tests.conftest import write_wav
 
 FPS = 25
@@ -70,6 +72,11 @@ def test_render_end_to_end(job_dir: Path):
     assert done["duration_s"] == pytest.approx(total / FPS)
     assert done["rtf"] > 0 and done["render_fps"] > 0 and done["ttff_s"] > 0 and done["peak_rss_mb"] > 0
     assert not (job_dir / "out" / "video.partial.mp4").exists()
+    # dtype auto: the choice, why, and the CPU level it was made on are reported (log line and done event)
+    expected, _ = auto_dtype("cpu")
+    assert done["dtype"] == str(expected).removeprefix("torch.") and done["dtype_reason"].startswith("auto: ")
+    assert done["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert f"dtype: {done['dtype']} (auto: " in result.stderr
 
     info = probe(out)
     assert info["frames"] == total

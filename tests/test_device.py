@@ -1,0 +1,48 @@
+"""runtime.dtype auto: bf16 only where the hardware computes it; float32 where it would be emulated."""
+
+import pytest
+import torch
+
+from avatar_cli.errors import InputError
+from avatar_cli.runtime import device
+from avatar_cli.runtime.device import CpuInfo, auto_dtype, resolve_runtime
+
+AVX2_ZEN3 = CpuInfo(capability="AVX2", avx512_bf16=False, amx=False)
+ZEN4 = CpuInfo(capability="AVX512", avx512_bf16=True, amx=False)
+SAPPHIRE_RAPIDS = CpuInfo(capability="AVX512", avx512_bf16=True, amx=True)
+SKYLAKE_X = CpuInfo(capability="AVX512", avx512_bf16=False, amx=False)
+# The flag is there but torch's kernels were capped below AVX-512 (ATEN_CPU_CAPABILITY=avx2): bf16 is emulated.
+CAPPED = CpuInfo(capability="AVX2", avx512_bf16=True, amx=True)
+
+
+@pytest.mark.parametrize("cpu, want", [(AVX2_ZEN3, torch.float32), (SKYLAKE_X, torch.float32), (CAPPED, torch.float32),
+                                       (ZEN4, torch.bfloat16), (SAPPHIRE_RAPIDS, torch.bfloat16)])
+def test_auto_picks_bf16_only_where_native(cpu, want):
+    dtype, reason = auto_dtype("cpu", cpu)
+    assert dtype == want
+    assert cpu.capability in reason  # the log line and the done event say what the choice was made on
+
+
+def test_auto_on_cuda_is_bf16():
+    assert auto_dtype("cuda")[0] == torch.bfloat16
+
+
+@pytest.mark.parametrize("cpu, want", [(AVX2_ZEN3, torch.float32), (ZEN4, torch.bfloat16)])
+def test_resolve_runtime_uses_what_the_cpu_reports(monkeypatch, cpu, want):
+    monkeypatch.setattr(device, "cpu_info", lambda: cpu)
+    rt = resolve_runtime("cpu", "auto")
+    assert rt.dtype == want and rt.dtype_reason.startswith("auto: ")
+    # An explicit dtype is taken as asked, whatever the CPU.
+    assert resolve_runtime("cpu", "bfloat16").dtype == torch.bfloat16
+    assert resolve_runtime("cpu", "float32").dtype_reason == "asked for"
+
+
+def test_float16_on_cpu_is_refused():
+    with pytest.raises(InputError, match="float16 is not supported on CPU"):
+        resolve_runtime("cpu", "float16")
+
+
+def test_cpu_info_reads_torch():
+    info = device.cpu_info()
+    assert info.capability == torch.backends.cpu.get_cpu_capability()
+    assert info.native_bf16 == (info.capability.startswith("AVX512") and (info.avx512_bf16 or info.amx))
