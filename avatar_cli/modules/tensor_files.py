@@ -102,8 +102,8 @@ def read_safetensors_header(path: str | Path) -> dict[str, TensorInfo]:
             raise CheckpointFormatError(f"{path}: malformed header entry {name!r}: {entry!r}"[:300]) from None
         info = TensorInfo(dtype, shape, path, (data_start + begin, data_start + end))
         if end - begin != info.nbytes:
-            raise CheckpointFormatError(
-                f"{path}: entry {name!r} spans {end - begin} bytes but {entry['dtype']} {list(shape)} needs {info.nbytes}")
+            raise CheckpointFormatError(f"{path}: entry {name!r} spans {end - begin} bytes but "
+                                        f"{entry['dtype']} {list(shape)} needs {info.nbytes}")
         if data_start + end > size:
             raise CheckpointFormatError(
                 f"{path}: truncated: entry {name!r} ends at byte {data_start + end}, the file has {size}")
@@ -125,7 +125,8 @@ def read_safetensors_index(index_path: str | Path) -> dict[str, TensorInfo]:
     except OSError as e:
         raise CheckpointFormatError(f"{index_path}: cannot read: {e.strerror or e}") from None
     except (ValueError, KeyError, TypeError):
-        raise CheckpointFormatError(f"{index_path}: not a safetensors index (needs a 'weight_map' of name -> file)") from None
+        raise CheckpointFormatError(
+            f"{index_path}: not a safetensors index (needs a 'weight_map' of name -> file)") from None
     out: dict[str, TensorInfo] = {}
     for shard in sorted(set(weight_map.values())):
         if Path(shard).name != shard:  # shards live beside the index; no paths into other folders
@@ -209,6 +210,15 @@ def _offending_entry(path: Path) -> str | None:
     return None
 
 
+def _torch_reason(message: str) -> str:
+    """The informative line of a torch.load error (its weights_only message opens with generic advice)."""
+    lines = [ln.strip() for ln in message.splitlines() if ln.strip()]
+    for ln in lines:
+        if "GLOBAL" in ln or "Unsupported" in ln:
+            return ln[:200]
+    return lines[0][:200] if lines else "unknown error"
+
+
 def load_pth(path: str | Path, *, mmap: bool = True) -> dict[str, torch.Tensor]:
     """Load a torch.save checkpoint that must be a flat dict of str -> tensor, without executing anything.
 
@@ -223,18 +233,25 @@ def load_pth(path: str | Path, *, mmap: bool = True) -> dict[str, torch.Tensor]:
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
+        reason = _torch_reason(str(e))
+        if "GLOBAL" not in reason:  # not a refused global: a broken or foreign file
+            raise CheckpointFormatError(f"{path}: not a readable torch checkpoint: {reason}") from None
         # weights_only met a global outside its allowlist and stopped before calling it.
-        why = _offending_entry(path) or str(e).splitlines()[0][:200]
+        why = _offending_entry(path) or reason
         raise UnsafeCheckpointError(f"{path}: refused: {why} (nothing in it was executed); {_ACCEPTED}") from None
     except (RuntimeError, EOFError, OSError, ValueError) as e:
-        raise CheckpointFormatError(f"{path}: not a readable torch checkpoint: {str(e).splitlines()[0][:200]}") from None
+        raise CheckpointFormatError(
+            f"{path}: not a readable torch checkpoint: {_torch_reason(str(e))}") from None
     if not isinstance(obj, dict):
         raise UnsafeCheckpointError(f"{path}: refused: the top-level object is {_describe(obj)}; {_ACCEPTED}")
     for key, value in obj.items():
         if not isinstance(key, str):
-            raise UnsafeCheckpointError(f"{path}: refused: key {key!r} is {_describe(key)}, not a string; {_ACCEPTED}")
-        if not isinstance(value, torch.Tensor):
-            raise UnsafeCheckpointError(f"{path}: refused: entry {key!r} is {_describe(value)}, not a tensor; {_ACCEPTED}")
+            why = f"key {key!r} is {_describe(key)}, not a string"
+        elif not isinstance(value, torch.Tensor):
+            why = f"entry {key!r} is {_describe(value)}, not a tensor"
+        else:
+            continue
+        raise UnsafeCheckpointError(f"{path}: refused: {why}; {_ACCEPTED}")
     return dict(obj)
 
 
