@@ -137,7 +137,8 @@ def main() -> None:
         return scale * torch.randn(*shape, generator=gen)
 
     base = dict(
-        x=randn(16, F_lat, h, w), ref=randn(16, 1, h, w), motion=randn(16, 19, h, w), cond=randn(16, F_lat, h, w, scale=0.5),
+        x=randn(16, F_lat, h, w), ref=randn(16, 1, h, w), motion=randn(16, 19, h, w),
+        cond=randn(16, F_lat, h, w, scale=0.5),
         context=randn(7, TINY["text_dim"]), audio=randn(1, 25, TINY["audio_dim"], 4 * F_lat),
     )
     neg_context = randn(9, TINY["text_dim"])
