@@ -167,13 +167,39 @@ def test_check_sparse_14b_release(release, given):
     print(f"\ncheck_dir on the sparse 14B directory: {elapsed:.3f} s")
 
 
-def test_check_without_expected_lists_counts(release):
-    """With no expected lists the check still counts; components no module of ours describes say so."""
+def test_check_with_our_modules(release):
+    """At run time the expected names and shapes come from our modules on meta: the DiT from config.json, the
+    T5 encoder through its adapter, the VAE from its params. They must accept the real release as it is."""
+    for mod in ("dit", "text", "vae"):
+        pytest.importorskip(f"avatar_cli.families.wan_s2v.{mod}")
+    t0 = time.perf_counter()
     report = check_dir(release)
-    dit = report.components["dit"]
-    assert dit.params == DIT_PARAMS and not dit.missing and not dit.problems
-    if dit.expected_from is None:
-        assert "(names not checked)" in dit.lines()[0]
+    elapsed = time.perf_counter() - t0
+    assert report.ok, "\n".join(report.lines())
+    for name in ("dit", "t5", "vae"):
+        assert report.components[name].expected_from is not None, name
+    assert report.components["dit"].expected_from.startswith("WanS2VDiT")
+    assert elapsed < 5.0, elapsed
+    print(f"\ncheck_dir with expected lists from our modules on meta: {elapsed:.3f} s")
+
+
+def test_dit_expected_follows_config(tmp_path, release):
+    """The DiT's expected keys follow config.json: a 39-layer config finds block 39 unexpected; a config field
+    our params refuse is a named problem, not a crash."""
+    pytest.importorskip("avatar_cli.families.wan_s2v.dit")
+    root = tmp_path / "cfg"
+    root.mkdir()
+    for f in release.iterdir():
+        if f.name.startswith("diffusion_pytorch_model"):
+            (root / f.name).symlink_to(f)
+    (root / "config.json").write_text(json.dumps({**CONFIG_14B, "num_layers": 39,
+                                                  "audio_inject_layers": [0, 4, 8, 12, 16, 20, 24, 27, 30, 33, 36]}))
+    dit = check_dir(root).components["dit"]
+    assert dit.unexpected and all(n.startswith(("blocks.39.", "audio_injector.")) for n in dit.unexpected)
+    assert "blocks.39.ffn.2.bias" in dit.unexpected and not dit.missing and not dit.mis_shaped
+    (root / "config.json").write_text(json.dumps({**CONFIG_14B, "dimension": 5120}))
+    dit = check_dir(root).components["dit"]
+    assert dit.tensors == 1260 and any("config.json" in p and "dimension" in p for p in dit.problems)
 
 
 def test_faults_are_named(tmp_path, given):

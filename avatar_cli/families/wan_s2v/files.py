@@ -100,14 +100,32 @@ def find_layout(path: str | Path) -> ModelDir:
         "or the Diffusers layout (model_index.json, transformer/, ...)")
 
 
+def expected_from_module_dict(sd: dict[str, torch.Tensor]) -> Expected:
+    return {k: (tuple(v.shape), None) for k, v in sd.items()}
+
+
 def expected_from_module(module: torch.nn.Module) -> Expected:
     """Names and shapes of a module's state dict (build it on the meta device: no memory, no init cost)."""
-    return {k: (tuple(v.shape), None) for k, v in module.state_dict().items()}
+    return expected_from_module_dict(module.state_dict())
 
 
 def expected_for(component: str, layout: str, config: dict | None) -> tuple[Expected | None, str]:
-    """(expected names and shapes, where they came from) for one component, from our own modules; None when
-    no module of ours describes that component's files in that layout yet."""
+    """(expected names and shapes, where they came from) for one component, from our own modules built on the
+    meta device; (None, why) when no module of ours describes that component's files in that layout.
+    A DiT config.json our params refuse raises CheckpointFormatError naming the field."""
+    if component == "dit":  # transformer/ of the Diffusers layout holds the official names too
+        try:
+            from avatar_cli.families.wan_s2v.dit import WanDiTParams, WanS2VDiT
+        except ImportError:
+            return None, "no DiT module to compare with"
+        if config is None:
+            return None, "no config.json to build the DiT from"
+        try:
+            params = WanDiTParams.from_config(config)  # never the defaults (fact sheet §9.2)
+        except (ValueError, TypeError) as e:
+            raise CheckpointFormatError(str(e)) from None
+        with torch.device("meta"):
+            return expected_from_module(WanS2VDiT(params)), "WanS2VDiT(WanDiTParams.from_config(config.json))"
     if component == "vae" and layout == OFFICIAL:
         try:
             from avatar_cli.families.wan_s2v.vae import WanVAE, WanVAEParams
@@ -115,12 +133,19 @@ def expected_for(component: str, layout: str, config: dict | None) -> tuple[Expe
             return None, "no VAE module to compare with"
         with torch.device("meta"):
             return expected_from_module(WanVAE(WanVAEParams.full())), "WanVAE(WanVAEParams.full())"
-    # TODO(integrator): the DiT (both layouts: transformer/ holds the official names) from dit.py, built on meta
-    # from config.json (`config` here; never from defaults, fact sheet §9.2), and the T5 encoder (official
-    # .pth) from text.py, once those modules land. The Diffusers layout's vae/ and text_encoder/ use other
-    # names (AutoencoderKLWan, HF UMT5EncoderModel): compare them through their rename adapters. wav2vec2 is
-    # HF's own format (weight-norm names differ across transformers versions): leave it to the audio module.
-    # Until then callers pass `expected=` to check_dir.
+    if component == "t5" and layout == OFFICIAL:
+        try:  # transformers' UMT5EncoderModel, named back to the release's keys by the adapter
+            from avatar_cli.families.wan_s2v.adapter_t5 import hf_to_wan
+            from avatar_cli.families.wan_s2v.text import UMT5_XXL, build_text_encoder
+        except ImportError:
+            return None, "no T5 module to compare with"
+        with torch.device("meta"):
+            hf = build_text_encoder(UMT5_XXL).state_dict()
+        return expected_from_module_dict(hf_to_wan(hf)), "build_text_encoder(UMT5_XXL) via adapter_t5.hf_to_wan"
+    # TODO(integrator): the Diffusers layout's vae/ (AutoencoderKLWan names) and text_encoder/ (HF
+    # UMT5EncoderModel names, the tied embedding possibly stored twice) need their rename adapters to be compared;
+    # wav2vec2 is HF's own format (weight-norm names differ across transformers versions): the audio module's
+    # business. Until then they are listed and counted, and callers may pass `expected=` to check_dir.
     return None, "no module of ours describes these files yet"
 
 
@@ -237,9 +262,12 @@ def _check_component(files: ComponentFiles, layout: str, expected: Expected | No
     if expected is not None:
         r.expected_from = "given"
     else:
-        expected, r.expected_from = expected_for(files.name, layout, config)
-        if expected is None:
-            r.expected_from = None
+        try:
+            expected, source = expected_for(files.name, layout, config)
+        except CheckpointFormatError as e:  # a config.json our params refuse
+            r.problems.append(f"{files.config}: {e}")
+            return r
+        r.expected_from = source if expected is not None else None
     if expected is not None:
         compare(found, expected, r)
     return r
