@@ -131,7 +131,9 @@ def main() -> None:
     rerandomise(model, torch.Generator().manual_seed(1))
 
     gen = torch.Generator().manual_seed(2)
-    F_lat, h, w = 4, 8, 8  # infer_frames 16 -> (16 + 3 + 73) // 4 - 19 = 4 latent frames
+    # infer_frames 16 -> (16 + 3 + 73) // 4 - 19 = 4 latent frames. A non-square latent larger than §8.1's 8x8, so
+    # that the sparse FramePack RoPE positions (linspace, truncated) and the h/w order are exercised.
+    F_lat, h, w = 4, 16, 24
 
     def randn(*shape, scale=1.0):
         return scale * torch.randn(*shape, generator=gen)
