@@ -4,17 +4,19 @@
     OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python tests/golden/make_wan_text_audio_goldens.py --wan-repo /tmp/wan22_textaudio
 
 Writes to tests/golden/wan_s2v/:
-- t5_tokenizer/: a tiny Unigram tokenizer (tokenizer.json + tokenizer_config.json + special_tokens_map.json) trained
-  here with the `tokenizers` library on a few sentences, laid out like the release's google/umt5-xxl/ folder. It
+- t5_tokenizer/: a tiny Unigram tokenizer (tokenizer.json + tokenizer_config.json + special_tokens_map.json) built
+  here with the `tokenizers` library from a few sentences (whole words plus single characters, log-frequency
+  scores), laid out like the release's google/umt5-xxl/ folder. It
   has no normalizer and the pre-tokenizer transformers 5 rebuilds for T5 (WhitespaceSplit + Metaspace), so
   AutoTokenizer (transformers 5 rebuilds the pipeline) and the verbatim tokenizer.json (what transformers <= 4.51,
   the official pin, loads) give the same ids; the script checks that.
-- t5_weights.safetensors: the official `T5Encoder` (wan/modules/t5.py) at a tiny size (vocab 128, dim 32,
+- t5_weights.safetensors: the official `T5Encoder` (wan/modules/t5.py) at a tiny size (vocab 192, dim 32,
   4 heads, ffn 64, 2 layers, 32 buckets per layer, shared_pos False as umt5_xxl), random weights in the
   official key layout (RMS gains re-randomised away from 1 so their mapping is checked).
 - t5_io.safetensors: per prompt i, `ids_i` / `mask_i` (1, 512) from the official HuggingfaceTokenizer (clean
   'whitespace', max length 512) and `out_i` (L_i, 32), the official T5EncoderModel.__call__ output (one prompt
-  per call, as speech2video.py calls it); `batch_out_i` from one batched call of all prompts.
+  per call, as speech2video.py calls it); `batch_out_i` from one batched call of all prompts; `out_bf16_i` the
+  same call with the weights cast to bf16 (the release's dtype).
 - t5_prompts.json: the prompts (one needs ftfy/html/whitespace cleaning, one is truncated at 512 tokens).
 - w2v_tiny/: a tiny random `Wav2Vec2ForCTC` (24 layers as the release, hidden 16, 2 heads, stable layer norm and
   layer-norm conv features as wav2vec2-large-xlsr-53, the real conv kernels/strides) saved with save_pretrained
@@ -35,10 +37,13 @@ Not run by the tests (they never import the official code); committed to documen
 """
 
 import argparse
+import copy
 import importlib
 import json
+import math
 import sys
 import types
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -47,7 +52,7 @@ from safetensors.torch import save_file
 
 OUT = Path(__file__).resolve().parent / "wan_s2v"
 TEXT_LEN = 512
-T5_TINY = dict(vocab=128, dim=32, dim_attn=32, dim_ffn=64, num_heads=4, num_layers=2, num_buckets=32,
+T5_TINY = dict(vocab=192, dim=32, dim_attn=32, dim_ffn=64, num_heads=4, num_layers=2, num_buckets=32,
                shared_pos=False, dropout=0.1)
 S2V_NEG = ("画面模糊，最差质量，画面模糊，细节模糊不清，情绪激动剧烈，手快速抖动，字幕，丑陋的，残缺的，多余的手指，画得不好的手部，"
            "画得不好的脸部，畸形的，毁容的，形态畸形的肢体，手指融合，静止不动的画面，杂乱的背景，三条腿，背景人很多，倒着走")
@@ -97,14 +102,25 @@ def import_t5():
 
 
 def make_tokenizer(folder: Path):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    """A Unigram vocabulary built by counting (not trained: the trainer's parallel sums make reruns differ): the
+    training words as whole pieces, their characters as fallback pieces, scores from log frequencies."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
-    tok = Tokenizer(models.Unigram())
+    words, chars = Counter(), Counter()
+    for sentence in TRAIN_SENTENCES:
+        for word in sentence.split():
+            words["▁" + word] += 1
+            chars.update(word)
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -3.0)]
+    n_words, n_chars = sum(words.values()), sum(chars.values())
+    for word, count in sorted(words.items(), key=lambda kv: (-kv[1], kv[0])):
+        pieces.append((word, round(math.log(count / n_words), 4)))
+    for char, count in sorted(chars.items(), key=lambda kv: (-kv[1], kv[0])):
+        pieces.append((char, round(math.log(count / n_chars) - 4.0, 4)))  # below any whole word
+    tok = Tokenizer(models.Unigram(pieces, unk_id=2, byte_fallback=False))
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")])
     tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
-    trainer = trainers.UnigramTrainer(vocab_size=120, special_tokens=["<pad>", "</s>", "<unk>"], unk_token="<unk>")
-    tok.train_from_iterator(TRAIN_SENTENCES * 4, trainer)
     tok.post_processor = processors.TemplateProcessing(single="$A </s>", pair="$A </s> $B </s>",
                                                        special_tokens=[("</s>", 1)])
     assert [tok.token_to_id(t) for t in ("<pad>", "</s>", "<unk>")] == [0, 1, 2]
@@ -150,6 +166,10 @@ def make_t5(t5, tok_dir: Path, raw_tok):
             tensors[f"out_{i}"] = out.contiguous()
             tensors[f"batch_out_{i}"] = batch[i].contiguous()
             print(f"t5 prompt {i}: {n} tokens, out {tuple(out.shape)}, max|out| {out.abs().max():.3f}")
+        # The release runs the encoder in bf16 (T5EncoderModel dtype=bf16): the same weights rounded to bf16.
+        enc.model = copy.deepcopy(model).to(torch.bfloat16)
+        for i, prompt in enumerate(PROMPTS):
+            tensors[f"out_bf16_{i}"] = enc([prompt], torch.device("cpu"))[0].contiguous()
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(OUT / "t5_weights.safetensors"))
     save_file(tensors, str(OUT / "t5_io.safetensors"))
     (OUT / "t5_prompts.json").write_text(json.dumps({"text_len": TEXT_LEN, "config": T5_TINY, "prompts": PROMPTS},
