@@ -13,9 +13,10 @@ default), whose filter differs from FFmpeg's, so for non-16-kHz files samples (a
 
 Time mapping: video frame k takes the 30-fps feature `i = round_half_even(k * 30 / fps)`, which is linearly
 interpolated between wav2vec2 frames at position p = i * (T_w - 1) / (T30 - 1); wav2vec2 frame j sees samples
-[320 j, 320 j + 400), centred at (320 j + 200) / 16000 s. So frame k's features come from audio time k / fps
-within +12.5 ms .. +60 ms (the rounding adds +-1/60 s, the align_corners stretch up to +47 ms near the end);
-`feature_time_s` gives the exact value. The mapping holds over any length (it does not drift). Giving output frame
+[320 j, 320 j + 400), centred at (320 j + 200) / 16000 s. So at fps 16 frame k's features come from audio time
+k / 16 s + (-4.2 ms .. +42.5 ms), whatever the length (measured for 1 s to 4 h: the rounding to 30 fps adds up
+to +-1/60 s, the half-window +12.5 ms, the align_corners stretch T_w - 1 -> T30 - 1 up to +25 ms; it does not
+drift); `feature_time_s` gives the exact value. Giving output frame
 k the features of frame k keeps picture and sound in step; the official pipeline's 3-frame lead (fact sheet §3.5)
 comes from dropping 3 decoded frames, not from these features.
 
@@ -178,12 +179,12 @@ class WindowedAudioFeatures:
     gives the whole-audio features. The grid is fixed, so a frame's features do not depend on the access order.
 
     `read(start, end)` returns float32 samples [start, end) (the renderer's AudioWindowReader.read fits); at most
-    `cache` windows are kept (one window: 25 x window_s * 50 x dim floats, 100 MB at 20 s for the release).
+    `cache` windows are kept (one window: 25 x window_s * 50 x dim floats, 154 MB at 30 s for the release).
     """
 
     def __init__(self, model: Wav2Vec2Model, extractor: Wav2Vec2FeatureExtractor,
                  read: Callable[[int, int], np.ndarray], num_samples: int, *, mean: float = 0.0, std: float = 1.0,
-                 window_s: float = 20.0, overlap_s: float = 4.0, cache: int = 2):
+                 window_s: float = 30.0, overlap_s: float = 6.0, cache: int = 2):
         self.model, self.read, self.num_samples = model, read, int(num_samples)
         # Exactly the extractor's float32 arithmetic: (x - mean) / sqrt(var + 1e-7), std passed as that sqrt.
         self.mean, self.std = np.float32(mean), np.float32(std)
