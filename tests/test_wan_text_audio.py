@@ -143,6 +143,18 @@ def test_adapter_round_trip():
         adapter_t5.wan_key_to_hf("blocks.0.attn.qkv.weight")
 
 
+def test_read_official_pth(tmp_path):
+    """The release's file is a pickled torch.save state dict: read memory-mapped, tensors only."""
+    wan = load_file(str(GOLDEN / "t5_weights.safetensors"))
+    path = tmp_path / "t5.pth"
+    torch.save({k: v.to(torch.bfloat16) for k, v in wan.items()}, str(path))
+    sd = adapter_t5.load_wan_t5_state_dict(path)
+    assert sd.keys() == wan.keys() and all(torch.equal(sd[k], wan[k].to(torch.bfloat16)) for k in wan)
+    torch.save({"model": wan, "step": 3}, str(path))
+    with pytest.raises(ValueError, match="flat state dict of tensors"):
+        adapter_t5.load_wan_t5_state_dict(path)
+
+
 def test_adapter_refuses_misfit():
     wan = load_file(str(GOLDEN / "t5_weights.safetensors"))
     with torch.device("meta"):

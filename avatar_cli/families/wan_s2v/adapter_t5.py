@@ -91,9 +91,16 @@ def load_wan_t5_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
 
     The file is a pickled state dict (not safetensors); `weights_only=True` refuses anything but tensors and
     containers, and `mmap=True` leaves the 11.4 GB in the page cache until each tensor is moved or used."""
-    sd = torch.load(str(path), map_location="cpu", mmap=True, weights_only=True)
-    if not isinstance(sd, Mapping):
-        raise ValueError(f"{path}: expected a state dict, found {type(sd).__name__}")
+    try:
+        sd = torch.load(str(path), map_location="cpu", mmap=True, weights_only=True)
+    except RuntimeError as exc:
+        if "mmap" not in str(exc):
+            raise
+        # A legacy (pre-zipfile) torch.save file cannot be memory-mapped: read it whole instead.
+        sd = torch.load(str(path), map_location="cpu", weights_only=True)
+    if not isinstance(sd, Mapping) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+        raise ValueError(f"{path}: expected a flat state dict of tensors (the umT5 encoder's), "
+                         f"found {type(sd).__name__} with keys {list(sd)[:3] if isinstance(sd, Mapping) else '-'}")
     return dict(sd)
 
 

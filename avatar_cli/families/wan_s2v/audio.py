@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from transformers import Wav2Vec2FeatureExtractor, Wav2Vec2Model
+from transformers import Wav2Vec2FeatureExtractor, Wav2Vec2ForCTC, Wav2Vec2Model
 
 __all__ = ["SAMPLE_RATE", "HOP", "FIELD", "W2V_FPS", "FEATURE_FPS", "VIDEO_FPS", "CLIP_FRAMES", "NUM_LAYERS",
            "num_w2v_frames", "num_feature_frames", "num_clips", "frame_indices", "feature_time_s", "load_wav2vec2",
@@ -100,10 +100,12 @@ def feature_time_s(frame: int, num_samples: int, fps: int | float | Fraction = V
 
 
 def load_wav2vec2(folder: str | Path) -> tuple[Wav2Vec2Model, Wav2Vec2FeatureExtractor]:
-    """The checkpoint's wav2vec2 folder, from disk only: the encoder (the CTC head of Wav2Vec2ForCTC is not
-    needed: hidden states are the same) in eval mode on CPU in float32, and the feature extractor."""
+    """The checkpoint's wav2vec2 folder, from disk only: the encoder in eval mode on CPU in float32 (the release's
+    dtype; the official code keeps it there), and the feature extractor. The folder holds a Wav2Vec2ForCTC: it is
+    loaded as such (every key used, no load report) and its CTC head dropped, since only hidden states are read."""
     folder = Path(folder)
-    model = Wav2Vec2Model.from_pretrained(str(folder), local_files_only=True).eval().requires_grad_(False)
+    ctc = Wav2Vec2ForCTC.from_pretrained(str(folder), local_files_only=True)
+    model = ctc.wav2vec2.eval().requires_grad_(False)
     extractor = Wav2Vec2FeatureExtractor.from_pretrained(str(folder), local_files_only=True)
     return model, extractor
 
