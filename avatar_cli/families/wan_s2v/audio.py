@@ -14,11 +14,11 @@ default), whose filter differs from FFmpeg's, so for non-16-kHz files samples (a
 Time mapping: video frame k takes the 30-fps feature `i = round_half_even(k * 30 / fps)`, which is linearly
 interpolated between wav2vec2 frames at position p = i * (T_w - 1) / (T30 - 1); wav2vec2 frame j sees samples
 [320 j, 320 j + 400), centred at (320 j + 200) / 16000 s. So at fps 16 frame k's features come from audio time
-k / 16 s + (-4.2 ms .. +42.5 ms), whatever the length (measured for 1 s to 4 h: the rounding to 30 fps adds up
-to +-1/60 s, the half-window +12.5 ms, the align_corners stretch T_w - 1 -> T30 - 1 up to +25 ms; it does not
-drift); `feature_time_s` gives the exact value. Giving output frame
-k the features of frame k keeps picture and sound in step; the official pipeline's 3-frame lead (fact sheet §3.5)
-comes from dropping 3 decoded frames, not from these features.
+k / 16 s + (-4.2 ms .. +42.5 ms), whatever the length (computed for 1 s to 4 h: the rounding to 30 fps adds up
+to +-1/60 s, the frame centre +12.5 ms, the align_corners stretch of T_w - 1 onto T30 - 1 the rest; it does not
+drift); `feature_time_s` gives the exact value. Giving output frame k the features of frame k keeps picture and
+sound in step; the official pipeline's 3-frame lead (fact sheet §3.5) comes from dropping 3 decoded frames, not
+from these features.
 
 The official path encodes the whole audio in one wav2vec2 call, whose memory grows with the length (quadratically
 in attention; the first conv layer alone holds 512 x N/5 floats). `WindowedAudioFeatures` encodes overlapping
