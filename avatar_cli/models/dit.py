@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from avatar_cli.models.layers import MLPEmbedder, RMSNorm, apply_rope, modulate, rope_3d, timestep_embedding
+from avatar_cli.models.layers import GeluMLP, MLPEmbedder, RMSNorm, apply_rope, modulate, rope_3d, timestep_embedding
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,7 @@ class DiTBlock(nn.Module):
         self.attn = Attention(d, p.heads)
         self.norm2 = nn.LayerNorm(d, elementwise_affine=False, eps=1e-6)
         hidden = int(d * p.mlp_ratio)
-        self.mlp = nn.Sequential(nn.Linear(d, hidden), nn.GELU(approximate="tanh"), nn.Linear(hidden, d))
+        self.mlp = GeluMLP(d, hidden)
         self.ada = nn.Linear(d, 6 * d)
 
     def forward(self, ctx: torch.Tensor, vid: torch.Tensor, c_ctx: torch.Tensor, c_vid: torch.Tensor,

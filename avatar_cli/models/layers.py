@@ -69,6 +69,76 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.flatten(-2).to(x.dtype)  # (B, H, N, Dh)
 
 
+def _fast_path(layer: nn.Module, x: torch.Tensor) -> bool:
+    """Inference on a CPU tensor with oneDNN: the fused and rewritten layers below apply.
+
+    Training (autograd) keeps the plain ops, so the gradients are those of the formula as written.
+    """
+    w = layer.weight
+    return (x.device.type == "cpu" and not (torch.is_grad_enabled() and w.requires_grad)
+            and torch.backends.mkldnn.is_available() and x.dtype in (torch.float32, torch.bfloat16)
+            and x.dtype == w.dtype and type(w) is nn.Parameter)  # not a DTensor (FSDP2) or a subclass
+
+
+def linear_gelu(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(linear(x)), with the GELU fused into oneDNN's matmul on CPU: 4.3 vs 8.7 ms for the DiT's
+    (1792, 128) -> 512 MLP input on an AVX2 CPU (torch's own tanh-GELU is the slow part)."""
+    if not _fast_path(linear, x):
+        return F.gelu(linear(x), approximate="tanh")
+    return torch.ops.mkldnn._linear_pointwise(x, linear.weight, linear.bias, "gelu", [], "tanh")
+
+
+class GeluMLP(nn.Module):
+    """Linear -> tanh-GELU -> Linear, with the state-dict keys of nn.Sequential (0 and 2), fused on CPU."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.add_module("0", nn.Linear(dim, hidden))
+        self.add_module("2", nn.Linear(hidden, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return getattr(self, "2")(linear_gelu(getattr(self, "0"), x))
+
+
+def conv_silu(conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+    """silu(conv(x)), with the SiLU fused into oneDNN's convolution on CPU (a post-op: the output is written
+    once, not re-read): measured 16.6 vs 27.8 ms for a (8, 32, 128, 128) 3x3 conv on an AVX2 CPU."""
+    if not _fast_path(conv, x):
+        return F.silu(conv(x))
+    return torch.ops.mkldnn._convolution_pointwise(x, conv.weight, conv.bias, list(conv.padding), list(conv.stride),
+                                                   list(conv.dilation), conv.groups, "swish", [], "")
+
+
+def _two_taps(w: torch.Tensor, dim: int, phase: int) -> torch.Tensor:
+    """The 3 taps of a 3x3 kernel along `dim` as seen by output phase 0 or 1 of a nearest 2x upsampling:
+    phase 0 reads input rows (i-1, i, i) -> taps (w0, w1 + w2) at (i-1, i); phase 1 reads (i, i, i+1) -> (w0 + w1, w2)."""
+    w0, w1, w2 = w.unbind(dim)
+    return torch.stack([w0, w1 + w2] if phase == 0 else [w0 + w1, w2], dim)
+
+
+def upsample_conv(conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+    """conv(nearest 2x upsampling of x) for a 3x3, padding-1 conv. x (T, I, H, W) -> (T, O, 2H, 2W).
+
+    On the CPU fast path it runs as its sub-pixel equivalent: each of the 4 output phases is a 2x2 conv of
+    x itself, so 16 instead of 36 multiply-adds per output and input channel, and no upsampled copy of x.
+    Equal to the plain form up to float rounding (the taps are summed before, not after, the products).
+    """
+    if not _fast_path(conv, x):
+        return conv(F.interpolate(x, scale_factor=2.0, mode="nearest"))
+    T, _, H, W = x.shape
+    O = conv.out_channels
+    w = torch.cat([_two_taps(_two_taps(conv.weight, 2, a), 3, b) for a in (0, 1) for b in (0, 1)])  # (4O, I, 2, 2)
+    w = w.contiguous(memory_format=torch.channels_last)
+    b = conv.bias.repeat(4) if conv.bias is not None else None  # (4O,)
+    y = F.conv2d(F.pad(x, (1, 1, 1, 1)), w, b).permute(0, 2, 3, 1)  # (T, H+1, W+1, 4O)
+    out = x.new_empty(T, H, 2, W, 2, O)  # the channels-last layout of (T, O, 2H, 2W)
+    for a in (0, 1):
+        for c in (0, 1):
+            k = 2 * a + c
+            out[:, :, a, :, c, :] = y[:, a:a + H, c:c + W, k * O:(k + 1) * O]  # phase (a, c) starts at (a, c)
+    return out.view(T, 2 * H, 2 * W, O).permute(0, 3, 1, 2)  # (T, O, 2H, 2W), channels last
+
+
 class ResBlock2d(nn.Module):
     """GroupNorm-free residual conv block: cheap on CPU and safe for per-frame, chunked decoding."""
 
@@ -78,4 +148,4 @@ class ResBlock2d(nn.Module):
         self.conv2 = nn.Conv2d(ch, ch, 3, padding=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.conv2(F.silu(self.conv1(F.silu(x))))
+        return x + self.conv2(conv_silu(self.conv1, F.silu(x)))

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from avatar_cli.models.layers import ResBlock2d
+from avatar_cli.models.layers import ResBlock2d, upsample_conv
 
 
 @dataclass(frozen=True)
@@ -21,6 +21,9 @@ class VAEParams:
     # Full resolution is reached by a pixel shuffle: small-channel convs at full size are slow on CPU.
     channels: tuple[int, ...] = (32, 64, 128)
     blocks_per_level: int = 1
+    # The decoder's own channels, same order (None: `channels`). Thinner than the encoder's where the decode
+    # must be fast: the decoder runs on every output frame, the encoder once per job (the reference).
+    decoder_channels: tuple[int, ...] | None = None
 
     @property
     def downsample(self) -> int:
@@ -53,7 +56,7 @@ class Encoder(nn.Module):
 class Decoder(nn.Module):
     def __init__(self, p: VAEParams):
         super().__init__()
-        ch = p.channels[::-1]
+        ch = (p.decoder_channels or p.channels)[::-1]
         # Causal temporal conv: sees the current and the previous latent frame.
         self.conv_in = nn.Conv2d(2 * p.latent_channels, ch[0], 3, padding=1)
         self.mid = ResBlock2d(ch[0])
@@ -75,8 +78,7 @@ class Decoder(nn.Module):
         z_prev = torch.cat([prev, z[:-1]], dim=0)  # (T, C, h, w), shifted by one frame
         h = self.mid(self.conv_in(torch.cat([z, z_prev], dim=1)))  # (T, c0, h, w)
         for level in self.levels:
-            h = F.interpolate(h, scale_factor=2.0, mode="nearest")  # (T, c_i, 2h, 2w)
-            h = level["blocks"](level["up"](h))  # (T, c_{i+1}, 2h, 2w)
+            h = level["blocks"](upsample_conv(level["up"], h))  # (T, c_{i+1}, 2h, 2w): nearest 2x, then conv
         x = F.pixel_shuffle(self.conv_out(F.silu(h)), 2)  # (T, 3, H, W)
         return torch.tanh(x), z[-1:]
 
