@@ -52,6 +52,34 @@ def test_decoder_polish_from_a_model_dir_changes_the_decoder_only(trained, tmp_p
     assert changed == {"decoder"}
 
 
+def test_decoder_polish_can_thin_the_decoder(trained, tmp_path, monkeypatch):
+    """A size whose decoder is thinner than the directory's: the encoder is taken as it is, the thin decoder
+    starts from the leading channels of the wide one, and the polish trains it from there."""
+    import dataclasses
+
+    from avatar_cli.train.trainer import init_models, thin_init
+
+    base, _ = trained
+    wide = SIZES["tiny"]
+    thin = dataclasses.replace(wide, vae=dataclasses.replace(wide.vae, decoder_channels=(8, 8, 12)))
+    monkeypatch.setitem(SIZES, "tiny", thin)
+    out = train(tmp_path / "model", size="tiny", work_dir=tmp_path / "work", seed=1, plan=PLAN,
+                log=lambda e: None, start_from=base / "model", start_phase="decoder")
+    assert out["probe"]["decoder"]["after"] < out["probe"]["decoder"]["before"]
+    src = load_modules(resolve_model(str(base / "model"), Path("/")))["vae"].model.state_dict()
+    got = load_modules(resolve_model(str(tmp_path / "model"), Path("/")))
+    assert got["vae"].model.params.decoder_channels == (8, 8, 12)
+    sd = got["vae"].model.state_dict()
+    assert all(torch.equal(sd[k], v) for k, v in src.items() if k.startswith("encoder."))  # frozen
+    assert sd["decoder.mid.conv1.weight"].shape == (12, 12, 3, 3)
+    # The start: the wide decoder's leading slice (not a fresh init), which the polish then moved.
+    start = thin_init(src["decoder.mid.conv1.weight"], sd["decoder.mid.conv1.weight"])
+    fresh = init_models(thin, 1)["vae"].state_dict()["decoder.mid.conv1.weight"]
+    assert (sd["decoder.mid.conv1.weight"] - start).abs().mean() < (sd["decoder.mid.conv1.weight"] - fresh).abs().mean()
+    with pytest.raises(ValueError, match="cannot start"):
+        thin_init(torch.zeros(4, 4), torch.zeros(8, 4))
+
+
 def test_start_at_the_dit_takes_vae_and_sr_and_builds_the_cache(trained, tmp_path):
     """--phase dit: the VAE and SR come from the directory, the DiT and its encoders start fresh (as in a
     from-scratch run), and the latent cache the DiT needs is built first."""

@@ -9,7 +9,7 @@ class TrainPlan:
     vae_steps: int = 1500
     sr_steps: int = 1500
     dit_steps: int = 4400
-    decoder_steps: int = 3000
+    decoder_steps: int = 6000
     # Shares of the budget; the latent cache is built between the VAE and SR phases out of the remainder.
     vae_share: float = 0.315
     sr_share: float = 0.06

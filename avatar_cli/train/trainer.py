@@ -7,6 +7,7 @@ Kill it at any time and call it again with the same work_dir: it continues from 
 (written atomically every `plan.ckpt_every_s` seconds and at the end of every phase).
 """
 
+import dataclasses
 import json
 import os
 import shutil
@@ -47,6 +48,13 @@ def init_models(cfg: FamilyConfig, seed: int) -> dict[str, nn.Module]:
                 m.init_weights(gen)
         models[name] = m.float()
     return models
+
+
+def thin_init(wide: torch.Tensor, thin: torch.Tensor) -> torch.Tensor:
+    """The leading slice of a wide layer's weight that fits the thin layer's shape (every dim at most as wide)."""
+    if any(t > w for t, w in zip(thin.shape, wide.shape)) or wide.dim() != thin.dim():
+        raise ValueError(f"cannot start a {tuple(thin.shape)} weight from a {tuple(wide.shape)} one")
+    return wide[tuple(slice(0, n) for n in thin.shape)].clone()
 
 
 def write_model_dir(out_dir: Path, cfg: FamilyConfig, models: dict[str, nn.Module]) -> None:
@@ -150,10 +158,19 @@ class Trainer:
 
     def start_from(self, src: ModelSource, phase: str) -> None:
         """Begin at `phase` as a from-scratch run would: with the source directory's weights for what the
-        earlier phases make, fresh ones for the rest."""
+        earlier phases make, fresh ones for the rest.
+
+        A decoder polish may start from a directory whose decoder is wider than this size's (a thinner,
+        faster decoder distilled onto the same frozen encoder): the thin decoder starts from the leading
+        channels of the wide one's weights, which decode far better than a random init."""
         for name, module in load_modules(src).items():
-            if name in MADE_BEFORE[phase]:
-                self.models[name].load_state_dict(module.model.float().state_dict(), strict=True)
+            if name not in MADE_BEFORE[phase]:
+                continue
+            sd = module.model.float().state_dict()
+            if name == "vae" and src.config.vae.decoder_channels != self.cfg.vae.decoder_channels:
+                sd = {k: (thin_init(v, self.models[name].state_dict()[k]) if k.startswith("decoder.") else v)
+                      for k, v in sd.items()}
+            self.models[name].load_state_dict(sd, strict=True)
         self.state.update(phase=phase, step=0, start_from=str(src.path))
         self.save()
 
@@ -284,6 +301,14 @@ class Trainer:
             self.next_phase(PHASES[PHASES.index(phase) + 1])
 
 
+def same_size(src: FamilyConfig, size: FamilyConfig, phase: str) -> bool:
+    """Whether a directory can start `phase` of this size: the same config, except that a decoder polish may
+    start from another decoder width (see Trainer.start_from)."""
+    if phase == "decoder":
+        src = dataclasses.replace(src, vae=dataclasses.replace(src.vae, decoder_channels=size.vae.decoder_channels))
+    return src == size
+
+
 def phase_budget(share: float, budget_s: float, seconds: dict[str, float], phase: str) -> float:
     """Seconds of step time a phase may spend: its share of the budget, but never past the whole budget once
     the other phases' time (the fixed-size latent cache included) is counted."""
@@ -316,7 +341,7 @@ def train(out_dir: str | Path, size: str = "mini", work_dir: str | Path | None =
     src = None
     if start_from is not None:  # checked before anything is written
         src = resolve_model(str(start_from), Path.cwd())
-        if src.config != SIZES[size]:
+        if not same_size(src.config, SIZES[size], start_phase):
             raise InputError(f"{start_from}: its config.json is not the '{size}' size's")
     out_dir = Path(out_dir)
     work = Path(work_dir) if work_dir is not None else out_dir.with_name(out_dir.name + ".work")
