@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test bench train eval clean
+.PHONY: setup demo test bench soak train eval clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,11 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/run.py
+
+# 30 minutes of video with RSS sampled every 10 s (about 25 minutes on 2 cores); the plot needs matplotlib.
+soak: $(STAMP)
+	$(PY) -m pip install -q "matplotlib>=3.8"
+	$(PY) bench/soak.py
 
 # Train the shipped model from scratch (about 90 minutes on 2 CPU cores; resumable).
 train: $(STAMP)

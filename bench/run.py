@@ -10,7 +10,6 @@ must stay flat. Figures are medians over repeats; ratios compare runs made in th
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -21,6 +20,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
+
+from machine import MATMUL_STAGES, describe, peaks, stage_peak
 
 ROOT = Path(__file__).resolve().parent.parent
 WORK = ROOT / "bench" / "tmp"
@@ -55,11 +56,11 @@ def sample_process(pid: int, samples: list, stop: threading.Event) -> None:
         stop.wait(1.0)
 
 
-def render(seconds: float, tag: str) -> dict:
+def render(seconds: float, tag: str, overrides: list[str] = ()) -> dict:
     audio = looped_speech(seconds, WORK / f"speech_{int(seconds)}s.wav")
     out = WORK / f"{tag}.mp4"
     cmd = [sys.executable, "-m", "avatar_cli", "render", str(ROOT / "sample_inputs" / "job.yaml"),
-           f"audio={audio}", "-o", str(out), "--force", "--json"]
+           f"audio={audio}", "-o", str(out), "--force", "--json", *overrides]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     samples: list = []
     stop = threading.Event()
@@ -77,6 +78,34 @@ def render(seconds: float, tag: str) -> dict:
     return done
 
 
+class NullSink:
+    def put(self, frames) -> None:
+        pass
+
+
+def stage_flops(audio: Path, overrides: list[str]) -> dict[str, int]:
+    """FLOPs per stage of one render of the sample job with this audio, counted in this process (the
+    counter slows every op, so this run's timings are not used)."""
+    from avatar_cli.media.audio import AudioWindowReader
+    from avatar_cli.media.image import fit_square
+    from avatar_cli.pipeline.run import Pipeline
+    from avatar_cli.runner import ModelCache, prepare, setup_runtime
+    from avatar_cli.report import make_reporter
+    from avatar_cli.spec import load_job
+
+    p = prepare(load_job(ROOT / "sample_inputs" / "job.yaml", [f"audio={audio}", *overrides]), force=True)
+    runtime, dist = setup_runtime(p.job.spec)
+    modules, placement = ModelCache().get(p.model, runtime, dist, p.job.spec.runtime, make_reporter(True))
+    pipeline = Pipeline(modules, p.model.config, runtime, placement, count_flops=True)
+    reader = AudioWindowReader(p.job.audio, sample_rate=p.model.config.audio.sample_rate, info=p.audio)
+    try:
+        stats = pipeline.run(p.job.spec, fit_square(p.image, p.model.config.image_size), reader, p.frames,
+                             NullSink(), p.size)
+    finally:
+        reader.close()
+    return stats.flops
+
+
 def flatness(samples: list, key: str) -> tuple[float, float]:
     """Median of the first and last quarter of the samples taken after the first minute."""
     s = [x[key] for x in samples[60:]] or [x[key] for x in samples]
@@ -89,19 +118,21 @@ def main() -> None:
     ap.add_argument("--short-s", type=float, default=30.0)
     ap.add_argument("--long-s", type=float, default=600.0)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("overrides", nargs="*", help="job overrides for every render, e.g. runtime.dtype=float32")
     args = ap.parse_args()
     WORK.mkdir(parents=True, exist_ok=True)
 
-    shorts = [render(args.short_s, f"short{i}") for i in range(args.repeats)]
-    long = render(args.long_s, "long")
+    machine, pk = describe(), peaks()
+    print(f"machine: {machine}\npeaks (GFLOP/s): {pk}", flush=True)
+    shorts = [render(args.short_s, f"short{i}", args.overrides) for i in range(args.repeats)]
+    flops = stage_flops(WORK / f"speech_{int(args.short_s)}s.wav", args.overrides)
+    long = render(args.long_s, "long", args.overrides)
     med = lambda key, runs=shorts: statistics.median(r[key] for r in runs)  # noqa: E731
     short_rss = med("peak_rss_mb")
     rss_first, rss_last = flatness(long["samples"], "rss_mb")
     fd_first, fd_last = flatness(long["samples"], "fds")
     th_first, th_last = flatness(long["samples"], "threads")
 
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
     rows = [
         ("time to first frame (after models load)", f"{med('ttff_s'):.2f} s", "<= 2 s"),
         ("render fps (30 s clip)", f"{med('render_fps'):.1f}", ""),
@@ -117,13 +148,28 @@ def main() -> None:
         ("threads, first vs last quarter", f"{th_first:.0f} -> {th_last:.0f}", "no growth"),
     ]
     compute = {k: statistics.median(r["compute_s"][k] for r in shorts) for k in shorts[0]["compute_s"]}
+    dtype = shorts[0]["dtype"]
+    stage_rows = []
+    for k, sec in compute.items():
+        gflop = flops.get(k, 0) / 1e9
+        peak = stage_peak(k, dtype, pk)
+        kind = "matmul" if k in MATMUL_STAGES else "conv"
+        stage_rows.append(f"| {k} | {sec:.2f} | {gflop:.1f} | {gflop / sec:.1f} | {kind} | {100 * gflop / sec / peak:.0f} % |")
+    total_gflop, total_s = sum(flops.values()) / 1e9, sum(compute.values())
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
         f"## Pipeline benchmark, {stamp}",
         "",
-        f"- machine: {os.cpu_count()} cores, {cpu}; torch threads default; no GPU",
-        f"- command: `python bench/run.py --short-s {args.short_s:g} --long-s {args.long_s:g} --repeats {args.repeats}`"
-        + (" (= `make bench`)" if (args.short_s, args.long_s, args.repeats) == (30.0, 600.0, 3) else ""),
+        f"- machine: {machine['cores']} cores, {machine['cpu']}; flags {' '.join(machine['flags']) or 'none of note'}; "
+        f"torch {machine['torch']} capability {machine['torch_capability']}"
+        + (f" (ATEN_CPU_CAPABILITY={os.environ['ATEN_CPU_CAPABILITY']})" if "ATEN_CPU_CAPABILITY" in os.environ else "")
+        + f", native bf16: {'yes' if machine['native_bf16'] else 'no'}; {machine['threads']} torch threads; no GPU",
+        f"- measured peak (GFLOP/s): matmul fp32 {pk['matmul_fp32']:.0f}, bf16 {pk['matmul_bf16']:.1f}; "
+        f"3x3 conv fp32 {pk['conv_fp32']:.0f}, bf16 {pk['conv_bf16']:.1f}",
+        f"- dtype: {dtype} ({shorts[0]['dtype_reason']})",
+        f"- command: `python bench/run.py --short-s {args.short_s:g} --long-s {args.long_s:g} --repeats {args.repeats}"
+        + "".join(f" {o}" for o in args.overrides) + "`"
+        + (" (= `make bench`)" if (args.short_s, args.long_s, args.repeats, args.overrides) == (30.0, 600.0, 3, []) else ""),
         f"- job: sample_inputs/job.yaml (model mini, {shorts[0]['video_fps']:g} fps, default chunking and sampling); "
         f"audio: sample speech looped; medians of {args.repeats} runs for the short clip",
         "",
@@ -131,7 +177,18 @@ def main() -> None:
         "| --- | --- | --- |",
         *[f"| {a} | {b} | {c} |" for a, b, c in rows],
         "",
-        "Model compute per 30 s clip (median s): " + ", ".join(f"{k} {v:.2f}" for k, v in compute.items()),
+        f"Model compute per {args.short_s:g} s clip, against this machine's measured peak for the kind of work "
+        "(seconds: median of the short runs; FLOPs: counted in a separate run of the same clip):",
+        "",
+        "| stage | compute s | GFLOP | GFLOP/s | peak kind | of peak |",
+        "| --- | --- | --- | --- | --- | --- |",
+        *stage_rows,
+        f"| all | {total_s:.2f} | {total_gflop:.1f} | {total_gflop / total_s:.1f} | | |",
+        "",
+        f"Work per second of video: {total_gflop / args.short_s:.1f} GFLOP; at the fraction of peak reached here, a "
+        f"CPU runs this job in real time when its {dtype} matmul/conv peak is about "
+        f"{pk['matmul_fp32' if dtype == 'float32' else 'matmul_bf16'] / med('rtf'):.0f} GFLOP/s (this one's divided "
+        "by the realtime factor).",
         "",
     ]
     results = ROOT / "bench" / "results.md"

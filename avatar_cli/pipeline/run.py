@@ -65,12 +65,14 @@ class RenderStats:
     wall_s: float  # render start (models loaded) to the last frame published
     ttff_s: float  # render start to the first frame handed to the encoder
     compute_s: dict[str, float] = field(default_factory=dict)
+    flops: dict[str, int] | None = None  # per stage, when the pipeline counts them (count_flops)
 
 
 class Pipeline:
     def __init__(self, modules: Mapping[str, Module], config: FamilyConfig, runtime: Runtime,
-                 placement: Placement | None = None):
+                 placement: Placement | None = None, count_flops: bool = False):
         self.config = config
+        self.count_flops = count_flops  # `make bench`: FLOPs per stage, against the machine's peak
         self.runtime = runtime
         self.placement = placement or Placement()
         self.reference = ReferenceEncode(modules, runtime)
@@ -107,7 +109,7 @@ class Pipeline:
              size: tuple[int, int], on_chunk: Callable[[ChunkDone], None], on_stretch: Callable[[Stretch], None],
              resume: ResumeFrom | None) -> RenderStats:
         t0 = time.perf_counter()
-        timer = StageTimer(self.runtime)
+        timer = StageTimer(self.runtime, flops=self.count_flops)
         ttff: float | None = None
         fps, s = spec.video.fps, spec.sampling
         chunks = self.schedule(spec, total_frames)
@@ -157,7 +159,8 @@ class Pipeline:
             on_chunk(ChunkDone(chunk, time.perf_counter() - t0, state.published))
 
         return RenderStats(frames=state.published, wall_s=time.perf_counter() - t0,
-                           ttff_s=ttff if ttff is not None else 0.0, compute_s=dict(timer.seconds))
+                           ttff_s=ttff if ttff is not None else 0.0, compute_s=dict(timer.seconds),
+                           flops=dict(timer.flops) if timer.flops is not None else None)
 
     def _given(self, chunk: Chunk, state: RollingState) -> torch.Tensor:
         if chunk.kind == "I":

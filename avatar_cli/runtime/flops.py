@@ -1,0 +1,31 @@
+"""Counting floating-point operations, for figures that compare across machines (FLOP/s against the peak).
+
+torch's FlopCounterMode counts matmuls and convolutions, but not the CPU flash-attention kernel or oneDNN's
+fused convolution that inference runs on the CPU; their formulas are registered here (2 per multiply-add,
+as torch counts).
+"""
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode, conv_flop_count, register_flop_formula, sdpa_flop_count
+
+_registered = False
+
+
+def _register() -> None:
+    global _registered
+    if _registered:
+        return
+    _registered = True
+
+    @register_flop_formula(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu)
+    def _sdpa_cpu(query_shape, key_shape, value_shape, *args, **kwargs) -> int:
+        return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+    @register_flop_formula(torch.ops.mkldnn._convolution_pointwise)
+    def _conv_pointwise(x_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
+        return conv_flop_count(list(x_shape), list(w_shape), list(out_shape), transposed=False)
+
+
+def flop_counter() -> FlopCounterMode:
+    _register()
+    return FlopCounterMode(display=False)
