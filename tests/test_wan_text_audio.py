@@ -86,7 +86,8 @@ def test_t5_matches_official(tokenizer, attn):
 
 
 def test_t5_bf16_close_to_official_bf16(tokenizer):
-    """The release runs the encoder in bf16: same weights rounded to bf16, both sides."""
+    """The release runs the encoder in bf16: same weights rounded to bf16, both sides. Measured: eager is
+    bit-identical on this CPU (sdpa 6e-3 .. 1.2e-2); the margin is for other CPUs' bf16 matmul kernels."""
     model = tiny_t5("eager").to(torch.bfloat16)
     for i, out in enumerate(encode(model, tokenizer, PROMPTS["prompts"])):
         assert out.dtype == torch.bfloat16
