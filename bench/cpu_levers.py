@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 
-from avatar_cli.models import layers
-from avatar_cli.models.dit import DiT
-from avatar_cli.models.family import SIZES
-from avatar_cli.models.sr import SuperRes
-from avatar_cli.models.vae import VAE
+from avatar_cli.families.mini import layers
+from avatar_cli.families.mini.dit import DiT
+from avatar_cli.families.mini.config import SIZES
+from avatar_cli.families.mini.sr import SuperRes
+from avatar_cli.families.mini.vae import VAE
 from machine import describe, peaks
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -43,8 +43,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from avatar_cli.models.dit import DiT, DiTParams  # noqa: E402
-from avatar_cli.models.family import COMPONENTS, SIZES  # noqa: E402
+from avatar_cli.families.mini.dit import DiT, DiTParams  # noqa: E402
+from avatar_cli.families.mini.config import COMPONENTS, SIZES  # noqa: E402
 from avatar_cli.modules.module import random_module  # noqa: E402
 from avatar_cli.runtime.offload import BlockOffloader, ModelOffloader, make_transfer  # noqa: E402
 

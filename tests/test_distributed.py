@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from avatar_cli.models.dit import DiT
-from avatar_cli.models.family import SIZES
+from avatar_cli.families.mini.dit import DiT
+from avatar_cli.families.mini.config import SIZES
 from avatar_cli.runtime.distributed import Dist, init_distributed
 from avatar_cli.runtime.placement import resident_bytes
 from avatar_cli.runtime.sequence_parallel import check_degree

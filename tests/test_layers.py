@@ -4,9 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from avatar_cli.models import layers
-from avatar_cli.models.layers import ResBlock2d, conv_silu, upsample_conv
-from avatar_cli.models.vae import VAE, VAEParams
+from avatar_cli.families.mini import layers
+from avatar_cli.families.mini.layers import ResBlock2d, conv_silu, upsample_conv
+from avatar_cli.families.mini.vae import VAE, VAEParams
 
 
 @pytest.mark.parametrize("channels_last", [False, True])

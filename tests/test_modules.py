@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from avatar_cli.errors import InputError
-from avatar_cli.models.family import COMPONENTS, SIZES, FamilyConfig
+from avatar_cli.families.mini.config import COMPONENTS, SIZES, FamilyConfig
 from avatar_cli.modules.module import load_module, save_safetensors
 from avatar_cli.modules.registry import check_model, init_model_dir, load_modules, resolve_model
 
@@ -119,8 +119,8 @@ def test_weights_files_get_the_mode_a_plain_open_gives(tmp_path, umask):
 def test_attention_norms_run_in_one_dtype_under_autocast(monkeypatch):
     """Training's bf16 autocast gave the q/k RMSNorm a bf16 input and an fp32 weight: torch warned "Mismatch dtype
     between input and weight" (once per process, so the spy checks the cause, not the warning)."""
-    from avatar_cli.models.dit import Attention
-    from avatar_cli.models.layers import rope_3d
+    from avatar_cli.families.mini.dit import Attention
+    from avatar_cli.families.mini.layers import rope_3d
 
     seen = []
     real = torch.rms_norm
@@ -147,7 +147,7 @@ def test_attention_norms_run_in_one_dtype_under_autocast(monkeypatch):
 def test_rms_norm_matches_torch_bit_for_bit(x_dtype, w_dtype, autocast):
     """Same numbers as nn.RMSNorm in every case: inference (matching dtypes) is untouched, and the mixed case
     equals torch's unfused fallback; small inputs so that which epsilon is used would show."""
-    from avatar_cli.models.layers import RMSNorm
+    from avatar_cli.families.mini.layers import RMSNorm
 
     torch.manual_seed(0)
     ours, ref = RMSNorm(16), torch.nn.RMSNorm(16)
@@ -248,7 +248,7 @@ def test_config_written_before_near_given_existed_loads_without_it():
 
 
 def test_nearest_given_finds_the_given_frame_on_each_side_and_its_distance():
-    from avatar_cli.models.dit import nearest_given
+    from avatar_cli.families.mini.dit import nearest_given
 
     L = 9
     x = torch.arange(L, dtype=torch.float32).view(1, L, 1, 1, 1).expand(2, L, 1, 2, 2) + 1  # frame j holds j + 1
@@ -333,7 +333,7 @@ def test_dit_at_init_continues_the_given_frames_and_forgets_them_past_max_gap():
 
 
 def test_prompt_words_outside_the_vocabulary_are_ignored():
-    from avatar_cli.models.text import TextParams, tokenize
+    from avatar_cli.families.mini.text import TextParams, tokenize
 
     p = TextParams()
     assert tokenize("Smiling, LIVELY!", p) == tokenize("smiling lively", p) != []

@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from avatar_cli.models.dit import DiT
-from avatar_cli.models.family import SIZES
-from avatar_cli.models.text import TextEncoder
+from avatar_cli.families.mini.dit import DiT
+from avatar_cli.families.mini.config import SIZES
+from avatar_cli.families.mini.text import TextEncoder
 from avatar_cli.runtime import numa
 from avatar_cli.runtime.placement import Placement
 from avatar_cli.runtime.offload import ALIGN, BlockOffloader, HostTransfer, ModelOffloader, choose_offload

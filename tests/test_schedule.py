@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from avatar_cli.models.audio import AudioParams, frame_window_starts
+from avatar_cli.families.mini.audio import AudioParams, frame_window_starts
 from avatar_cli.pipeline.schedule import num_frames, plan
 
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from avatar_cli.errors import InputError
-from avatar_cli.models.audio import AudioParams
-from avatar_cli.models.family import SIZES
+from avatar_cli.families.mini.audio import AudioParams
+from avatar_cli.families.mini.config import SIZES
 from avatar_cli.modules.registry import load_modules, resolve_model
 from avatar_cli.train import plan_for, train
 from avatar_cli.train.data import clip_seeds, mel_features
@@ -195,7 +195,7 @@ def test_training_seeds_stay_in_the_training_range():
 
 def test_mel_features_match_the_render_path():
     """Training computes audio windows exactly as ContextGen.audio_features does at render time."""
-    from avatar_cli.models.audio import AudioEncoder
+    from avatar_cli.families.mini.audio import AudioEncoder
     from avatar_cli.modules.module import Module
     from avatar_cli.runtime.device import Runtime
     from avatar_cli.stages.context import ContextGen

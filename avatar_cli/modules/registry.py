@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from avatar_cli.errors import InputError
-from avatar_cli.models.family import COMPONENTS, SIZES, FamilyConfig
+from avatar_cli.families.mini.config import COMPONENTS, SIZES, FamilyConfig
 from avatar_cli.modules.module import Module, build_meta, check_checkpoint, load_module, random_module
 
 WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "weights"

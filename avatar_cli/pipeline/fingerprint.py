@@ -6,7 +6,7 @@ import struct
 
 from omegaconf import OmegaConf
 
-from avatar_cli.models.family import COMPONENTS
+from avatar_cli.families.mini.config import COMPONENTS
 from avatar_cli.modules.registry import ModelSource
 from avatar_cli.pipeline.checkpoint import file_digest
 from avatar_cli.spec import Job

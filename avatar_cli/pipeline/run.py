@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from avatar_cli.models.family import FamilyConfig
+from avatar_cli.families.mini.config import FamilyConfig
 from avatar_cli.modules.module import Module
 from avatar_cli.pipeline.schedule import Chunk, plan_job
 from avatar_cli.pipeline.state import RollingState

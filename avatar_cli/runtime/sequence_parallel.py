@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from avatar_cli.models.dit import nearest_given
+from avatar_cli.families.mini.dit import nearest_given
 
 
 def check_degree(heads: int, degree: int) -> None:

@@ -7,8 +7,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from avatar_cli.models.audio import frame_window_starts, log_mel_windows
-from avatar_cli.models.text import tokenize
+from avatar_cli.families.mini.audio import frame_window_starts, log_mel_windows
+from avatar_cli.families.mini.text import tokenize
 from avatar_cli.pipeline.schedule import Chunk
 from avatar_cli.stages.base import Stage
 

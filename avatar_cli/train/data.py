@@ -19,10 +19,10 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from avatar_cli.models.audio import AudioParams, frame_window_starts, log_mel_windows
-from avatar_cli.models.family import FamilyConfig
-from avatar_cli.models.text import tokenize
-from avatar_cli.models.vae import VAE
+from avatar_cli.families.mini.audio import AudioParams, frame_window_starts, log_mel_windows
+from avatar_cli.families.mini.config import FamilyConfig
+from avatar_cli.families.mini.text import tokenize
+from avatar_cli.families.mini.vae import VAE
 from avatar_cli.modules.module import save_safetensors
 from avatar_cli.synth import TRAIN_AUDIO_SEEDS, TRAIN_IDENTITY_SEEDS, make_clip, render_reference
 

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from avatar_cli.models.family import FamilyConfig
+from avatar_cli.families.mini.config import FamilyConfig
 from avatar_cli.synth import mouth_box
 from avatar_cli.train.data import VAEFrames, downsample, prompt_ids
 from avatar_cli.train.plan import TrainPlan

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from avatar_cli.errors import InputError
-from avatar_cli.models.family import COMPONENTS, SIZES, FamilyConfig
+from avatar_cli.families.mini.config import COMPONENTS, SIZES, FamilyConfig
 from avatar_cli.modules.module import Module
 from avatar_cli.modules.registry import ModelSource, load_modules, resolve_model
 from avatar_cli.train import checkpoint as ckpt

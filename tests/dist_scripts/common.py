@@ -2,8 +2,8 @@
 
 import torch
 
-from avatar_cli.models.dit import DiT, DiTParams
-from avatar_cli.models.family import SIZES
+from avatar_cli.families.mini.dit import DiT, DiTParams
+from avatar_cli.families.mini.config import SIZES
 
 
 def tiny_dit(seed: int = 0, params: DiTParams | None = None) -> DiT:

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from avatar_cli.models.family import SIZES
+from avatar_cli.families.mini.config import SIZES
 from avatar_cli.runtime.distributed import init_distributed
 from avatar_cli.runtime.parallelize import parallelize_model
 from avatar_cli.runtime.sequence_parallel import SequenceParallelDiT

@@ -12,8 +12,8 @@ import sys
 import torch
 from torch.distributed.tensor import DTensor
 
-from avatar_cli.models.family import SIZES
-from avatar_cli.models.sr import SuperRes
+from avatar_cli.families.mini.config import SIZES
+from avatar_cli.families.mini.sr import SuperRes
 from avatar_cli.runtime.distributed import init_distributed
 from avatar_cli.runtime.frame_parallel import FrameParallel
 from avatar_cli.runtime.parallelize import parallelize_model, prefetch_stage, reshard_stage

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from avatar_cli.models.layers import ResBlock2d, upsample_conv
+from avatar_cli.families.mini.layers import ResBlock2d, upsample_conv
 
 
 @dataclass(frozen=True)

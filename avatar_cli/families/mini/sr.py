@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from avatar_cli.models.layers import ResBlock2d
+from avatar_cli.families.mini.layers import ResBlock2d
 
 
 @dataclass(frozen=True)
