@@ -133,7 +133,7 @@ def render(
         if force and resume:
             raise SpecError("--force and --resume contradict each other: --force starts over")
         if nproc > 1:  # checked here, before any worker starts: then the same command in nproc workers
-            from avatar_cli.runtime.launch import check_rank_count, relaunch
+            from avatar_cli.launch import check_rank_count, relaunch
 
             check_rank_count(jobs, overrides, output, nproc)
             import torch
@@ -358,7 +358,7 @@ def main() -> None:
     # be torn down out of order there and abort the process ("terminate called without an active
     # exception", SIGABRT, no Python frame left) although every rank finished: 1 of 18 runs of the 2-rank
     # test script did, after the final barrier and destroy_process_group. Everything of ours is closed by now.
-    from avatar_cli.runtime.launch import follow_launcher
+    from avatar_cli.launch import follow_launcher
 
     follow_launcher()
     try:

@@ -135,7 +135,7 @@ class ModelCache:
             self.loaded.clear()  # keep one model set resident, not one per model ever used
             modules = load_modules(source)
             placement = place(modules, runtime, dist, rt_spec.offload.value, rt_spec.reshard.value,
-                              transfer=self.transfer, free_bytes=self.free_bytes)
+                              transfer=self.transfer, free_bytes=self.free_bytes, plan=source.family.parallel)
             self.loaded[key] = (modules, placement)
         return self.loaded[key]
 
@@ -270,7 +270,7 @@ def _render_locked(p: Prepared, reporter: Reporter, models: ModelCache | None, r
     resume_from = _share_resume(dist, resume_from, runtime)
 
     modules, placement = (models or ModelCache()).get(p.model, runtime, dist, spec.runtime, reporter)
-    pipeline = Pipeline(modules, p.model.config, runtime, placement)
+    pipeline = Pipeline(modules, p.model.family, runtime, placement)
     image = fit_square(p.image, p.model.config.image_size)  # (3, S, S) in [-1, 1]
     chunks = pipeline.schedule(spec, frames)
 

@@ -385,14 +385,14 @@ def test_render_checkpoints_get_the_mode_open_gives(tmp_path: Path):
     import torch
 
     from avatar_cli.pipeline import checkpoint
-    from avatar_cli.pipeline.state import RollingState
+    from avatar_cli.families.base import RollingState
 
     partial = tmp_path / "video.partial.mp4"
     partial.write_bytes(b"")
     old = os.umask(0o022)
     try:
         writer = checkpoint.CheckpointWriter(partial, checkpoint.Checkpoint({}, 10, 0))
-        writer.save(1, RollingState(tail=torch.zeros(2), anchors=None, held=[], decode_cache=None, published=4))
+        writer.save(1, RollingState(tensors={"tail": torch.zeros(2)}, held=[], published=4))
     finally:
         os.umask(old)
     state_files = list(tmp_path.glob("*.safetensors"))

@@ -17,7 +17,7 @@ from avatar_cli.families.mini.dit import DiT
 from avatar_cli.families.mini.config import SIZES
 from avatar_cli.runtime.distributed import Dist, init_distributed
 from avatar_cli.runtime.placement import resident_bytes
-from avatar_cli.runtime.sequence_parallel import check_degree
+from avatar_cli.families.base import check_degree
 
 SCRIPTS = Path(__file__).parent / "dist_scripts"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
@@ -143,7 +143,7 @@ def test_default_attention_op_is_sdpa_and_frame_offset_zero_is_unchanged():
 
 
 def test_launcher_exit_code_is_the_cause_not_the_collateral():
-    from avatar_cli.runtime.launch import exit_code, worker_threads
+    from avatar_cli.launch import exit_code, worker_threads
 
     assert exit_code({}) == 0
     assert exit_code({0: 2, 1: 2, 2: -15}) == 2  # bad input seen by every rank; one was SIGTERMed first

@@ -48,7 +48,7 @@ def test_seam_ratio_sees_jumps_at_chunk_boundaries():
 
 
 def test_chunk_boundaries_are_where_the_output_changes_chunk():
-    from avatar_cli.pipeline.schedule import plan
+    from avatar_cli.families.mini.schedule import plan
 
     assert M.chunk_boundaries(plan(80, 24, 4, False, 6)) == [24, 48, 72]
     # With I chunks: into I(k-1) at kF, and back into N(k) after its 6 frames.

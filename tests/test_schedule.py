@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from avatar_cli.families.mini.audio import AudioParams, frame_window_starts
-from avatar_cli.pipeline.schedule import num_frames, plan
+from avatar_cli.families.mini.schedule import plan
+from avatar_cli.pipeline.schedule import num_frames
 
 
 def covered(chunks):

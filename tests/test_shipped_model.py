@@ -10,7 +10,6 @@ import torch
 
 from avatar_cli.evaluate.bench import vae_psnr, write_wav
 from avatar_cli.evaluate.metrics import chunk_boundaries, face_error, frame_changes, lip_sync, seam_ratio
-from avatar_cli.pipeline.schedule import plan_job
 from avatar_cli.spec import load_job
 from avatar_cli.media.image import save_png
 from avatar_cli.modules.registry import check_model, load_modules, resolve_model
@@ -49,7 +48,7 @@ def test_shipped_mini_keeps_the_face_and_moves_the_mouth_with_the_audio(tmp_path
     print(f"face error ratio {ratio:.3f}")
     assert ratio < 1.5, ratio  # measured 0.76 (session-4 weights; 0.82 session 3, 1.89 session 2, ~5 session 1)
     # Seams: where the output passes from one chunk to the next it changes no more than elsewhere.
-    boundaries = chunk_boundaries(plan_job(load_job(tmp_path / "job.yaml").spec.chunking, len(frames)))
+    boundaries = chunk_boundaries(resolve_model("mini", Path.cwd()).family.plan(load_job(tmp_path / "job.yaml").spec.chunking, len(frames)))
     seams = seam_ratio(frame_changes(frames), boundaries)
     print(f"seams {seams:.3f}")
     assert seams < 1.25, seams  # measured 1.09 (session-4 weights; 1.32 for session 3's)

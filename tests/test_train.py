@@ -194,11 +194,9 @@ def test_training_seeds_stay_in_the_training_range():
 
 
 def test_mel_features_match_the_render_path():
-    """Training computes audio windows exactly as ContextGen.audio_features does at render time."""
+    """Training computes audio windows exactly as the mini family's audio_features does at render time."""
     from avatar_cli.families.mini.audio import AudioEncoder
-    from avatar_cli.modules.module import Module
-    from avatar_cli.runtime.device import Runtime
-    from avatar_cli.stages.context import ContextGen
+    from avatar_cli.families.mini.family import MiniFamily
 
     p = AudioParams(dim=16)
     audio = np.random.default_rng(0).standard_normal(16_000).astype(np.float32) * 0.1
@@ -215,9 +213,8 @@ def test_mel_features_match_the_render_path():
 
     torch.manual_seed(0)
     enc = AudioEncoder(p).eval()
-    ctx = ContextGen({"audio": Module("audio", enc, ""), "text": Module("text", torch.nn.Identity(), "")},
-                     Runtime(torch.device("cpu"), torch.float32))
+    family = MiniFamily(SIZES["mini"])
     with torch.no_grad():
-        want = ctx.audio_features(Source(), 0, 25, 25.0)[0]
+        want = family.audio_features({"audio": enc}, Source(), 0, 25, 25.0, torch.device("cpu"), torch.float32)[0]
         got = enc(mel_features(audio, 25, 25.0, p))
     torch.testing.assert_close(got, want)

@@ -22,7 +22,6 @@ from avatar_cli import runner
 from avatar_cli.evaluate import metrics as M
 from avatar_cli.media.image import save_png
 from avatar_cli.modules.registry import load_modules, resolve_model
-from avatar_cli.pipeline.schedule import plan_job
 from avatar_cli.report import QuietReporter
 from avatar_cli.spec import load_job
 from avatar_cli.synth import EVAL_IDENTITY_SEEDS, HELDOUT_AUDIO_SEED_START, SAMPLE_RATE, make_clip, render_reference
@@ -86,7 +85,7 @@ class Renderer:
                 if keep:
                     frames.append(arr)
         (d / "out.mp4").unlink()
-        boundaries = M.chunk_boundaries(plan_job(p.job.spec.chunking, p.frames))
+        boundaries = M.chunk_boundaries(p.model.family.plan(p.job.spec.chunking, p.frames))
         return Rendered(np.stack(frames) if keep else None, reference, audio, wall, boundaries)
 
 

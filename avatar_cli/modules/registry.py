@@ -8,7 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from avatar_cli.errors import InputError
+from avatar_cli.families.base import Family
 from avatar_cli.families.mini.config import COMPONENTS, SIZES, FamilyConfig
+from avatar_cli.families.mini.family import MiniFamily
 from avatar_cli.modules.module import Module, build_meta, check_checkpoint, load_module, random_module
 
 WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "weights"
@@ -29,6 +31,11 @@ class ModelSource:
     @property
     def location(self) -> str:
         return str(self.path) if self.path else f"built in (random init, seed {RANDOM_SEED}; no weights shipped yet)"
+
+    @property
+    def family(self) -> Family:
+        """The family that knows these models (the only one shipped today: mini)."""
+        return MiniFamily(self.config)
 
     @property
     def fingerprint(self) -> str:

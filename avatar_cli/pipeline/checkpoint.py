@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file
 
 from avatar_cli.modules.module import save_safetensors
-from avatar_cli.pipeline.state import RollingState
+from avatar_cli.families.base import RollingState
 
 VERSION = 1
 RING = 8  # resume points kept; covers the encoder queue plus the open fragment several times over
@@ -94,9 +94,9 @@ def _atomic_write(path: Path, data: bytes) -> None:
 
 
 def state_tensors(state: RollingState) -> dict[str, torch.Tensor]:
+    """Everything a resume needs: the held stretches and the family's own tensors (by their names)."""
     tensors = {f"held{i}": z for i, (_, z) in enumerate(state.held)}
-    for name in ("tail", "anchors", "decode_cache"):
-        value = getattr(state, name)
+    for name, value in state.tensors.items():
         if value is not None:
             tensors[name] = value
     return {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
@@ -187,10 +187,10 @@ def load_state(partial: Path, point: ResumePoint, device: torch.device, dtype: t
 
 def state_from_tensors(t: dict[str, torch.Tensor], held_starts: list[int], published: int,
                        device: torch.device, dtype: torch.dtype) -> RollingState:
-    to = lambda name: t[name].to(device, dtype) if name in t else None  # noqa: E731
-    held = [(start, to(f"held{i}")) for i, start in enumerate(held_starts)]
-    return RollingState(tail=to("tail"), anchors=to("anchors"), held=held, decode_cache=to("decode_cache"),
-                        published=published)
+    held_names = {f"held{i}" for i in range(len(held_starts))}
+    held = [(start, t[f"held{i}"].to(device, dtype)) for i, start in enumerate(held_starts)]
+    own = {name: v.to(device, dtype) for name, v in t.items() if name not in held_names}
+    return RollingState(tensors=own, held=held, published=published)
 
 
 class OutputLock:

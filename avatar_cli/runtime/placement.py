@@ -17,7 +17,7 @@ so the whole placement runs on the CPU with the CPU standing in for the GPU.
 
 import contextlib
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -30,10 +30,9 @@ from avatar_cli.runtime.frame_parallel import FrameParallel
 from avatar_cli.runtime.offload import (BlockOffloader, CudaTransfer, ModelOffloader, Transfer, choose_offload,
                                         model_bytes)
 from avatar_cli.runtime.parallelize import gpu_param_dtype, parallelize_model, prefetch_stage, reshard_stage
-from avatar_cli.runtime.sequence_parallel import SequenceParallelDiT, check_degree
+from avatar_cli.families.base import ParallelPlan, check_degree
 
 log = logging.getLogger(__name__)
-SHARDED = ("dit", "text")  # the transformer models; the rest are small and replicated
 
 
 @dataclass
@@ -44,19 +43,24 @@ class Placement:
     offload: str = "none"
 
     @contextlib.contextmanager
-    def stage(self, *names: str, then: str | None = None) -> Iterator[None]:
+    def stage(self, names: str | Iterable[str], then: str | Iterable[str] = ()) -> Iterator[None]:
         """Bring the stage's models in for its duration; afterwards drop them (offload) or reshard (FSDP).
 
-        then: the model the next stage runs. Its copy in (offload) or its first all-gathers (FSDP) start
+        then: the models the next stage runs. Their copy in (offload) or first all-gathers (FSDP) start
         now and overlap this stage's compute, so the handoff between the two stages waits for neither.
         """
+        names = (names,) if isinstance(names, str) else tuple(names)
+        then = (then,) if isinstance(then, str) else tuple(then)
         for name in names:
             if name in self.offloaders:
                 self.offloaders[name].begin()
-        if then in self.offloaders:
-            self.offloaders[then].prefetch()
-        if then in self.sharded:
-            prefetch_stage(self.sharded[then])
+        for name in then:
+            if name in names:
+                continue
+            if name in self.offloaders:
+                self.offloaders[name].prefetch()
+            if name in self.sharded:
+                prefetch_stage(self.sharded[name])
         try:
             yield
         finally:
@@ -84,9 +88,11 @@ def resident_bytes(model: torch.nn.Module, world_size: int, reshard: str) -> int
 
 def place(modules: Mapping[str, Module], runtime: Runtime, dist: Dist, offload: str = "auto",
           reshard: str = "per_block", working_bytes: int = 2 << 30, transfer: Transfer | None = None,
-          free_bytes: int | None = None) -> Placement:
+          free_bytes: int | None = None, plan: ParallelPlan | None = None) -> Placement:
     """Put each model where it runs, shard and offload as configured; returns what the stages enter.
 
+    plan: the family's ParallelPlan (which components to shard, split by frames, run sequence parallel);
+    needed when `dist` has several ranks.
     transfer, free_bytes: the device behind offload; by default CUDA's (a side copy stream, and
     `mem_get_info`). Without a transfer on a CPU run nothing is offloaded.
     """
@@ -95,7 +101,8 @@ def place(modules: Mapping[str, Module], runtime: Runtime, dist: Dist, offload: 
     if free_bytes is None and runtime.is_cuda:
         free_bytes = torch.cuda.mem_get_info(runtime.device)[0]
     if dist.enabled:
-        return _place_sharded(modules, runtime, dist, offload, reshard, working_bytes, transfer, free_bytes)
+        return _place_sharded(modules, runtime, dist, offload, reshard, working_bytes, transfer, free_bytes,
+                              plan or ParallelPlan())
     if transfer is None:
         for module in modules.values():
             module.to(runtime.device, runtime.dtype)
@@ -109,12 +116,14 @@ def place(modules: Mapping[str, Module], runtime: Runtime, dist: Dist, offload: 
 
 
 def _place_sharded(modules: Mapping[str, Module], runtime: Runtime, dist: Dist, offload: str, reshard: str,
-                   working_bytes: int, transfer: Transfer | None, free_bytes: int | None) -> Placement:
-    """FSDP2 for the transformers, Ulysses for the DiT; offload (if chosen) from the outside of both."""
+                   working_bytes: int, transfer: Transfer | None, free_bytes: int | None,
+                   plan: ParallelPlan) -> Placement:
+    """FSDP2 for the transformers, sequence parallel for the DiT; offload (if chosen) from the outside of both."""
     try:
-        check_degree(modules["dit"].model.params.heads, dist.world_size)
+        check_degree(plan.sp_heads, dist.world_size)
     except ValueError as e:
         raise InputError(str(e)) from None  # a choice of rank count, not a render failure: exit 2
+    SHARDED = plan.sharded
     choice = "none"
     if transfer is not None:
         sizes = {name: resident_bytes(m.model, dist.world_size, reshard) if name in SHARDED else model_bytes(m.model)
@@ -130,10 +139,14 @@ def _place_sharded(modules: Mapping[str, Module], runtime: Runtime, dist: Dist, 
                                                     param_dtype=param_dtype, offload=choice != "none")
     replicated = {name: m for name, m in modules.items() if name not in SHARDED}
     _offload_replicated(replicated, runtime, choice, transfer, placement)
-    modules["dit"].model = SequenceParallelDiT(modules["dit"].model, dist.group)
-    modules["sr"].model = FrameParallel(modules["sr"].model, dist.group)
-    log.info("placement: %s sharded over %d ranks (reshard %s%s); DiT sequence parallel; SR frame parallel",
-             ", ".join(SHARDED), dist.world_size, reshard, ", shards in pinned host memory" if choice != "none" else "")
+    if plan.sequence_parallel is not None:
+        sp = modules[plan.sequence_parallel]
+        sp.model = plan.sp_wrap(sp.model, dist.group)
+    for name in plan.frame_parallel:
+        modules[name].model = FrameParallel(modules[name].model, dist.group)
+    log.info("placement: %s sharded over %d ranks (reshard %s%s); %s sequence parallel; %s frame parallel",
+             ", ".join(SHARDED), dist.world_size, reshard, ", shards in pinned host memory" if choice != "none" else "",
+             plan.sequence_parallel or "nothing", ", ".join(plan.frame_parallel) or "nothing")
     return placement
 
 

@@ -1,26 +1,16 @@
-"""Audio-to-video: the DiT samples one chunk of low-resolution latents by flow matching."""
+"""Audio-to-video: the family's sampler denoises one chunk of latents with its DiT."""
+
+from typing import Any
 
 import torch
 
-from avatar_cli.sampling import sample, timesteps
+from avatar_cli.families.base import Sampling
 from avatar_cli.stages.base import Stage
-from avatar_cli.stages.context import ChunkContext
-from avatar_cli.stages.reference import ReferenceCond
 
 
 class AudioToVideo(Stage):
-    needs = ("dit",)
+    step = "denoise"
 
-    def run(self, ctx: ChunkContext, ref: ReferenceCond, steps: int, guidance: float, shift: float) -> torch.Tensor:
-        """Returns the chunk's latents (L, C, h, w), given frames included."""
-        dit = self.model("dit")
-
-        def velocity(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-            v = dit(x, t, ctx.mask, ctx.audio, ref.ref_lo, ref.ref_hi, ctx.text)  # (1, L, C, h, w)
-            if guidance == 1.0:
-                return v
-            # Unconditional: no audio and no prompt. The reference and given frames stay.
-            v_u = dit(x, t, ctx.mask, torch.zeros_like(ctx.audio), ref.ref_lo, ref.ref_hi, ctx.text[:, :0])
-            return v_u + guidance * (v - v_u)
-
-        return sample(velocity, ctx.noise, ctx.cond, ctx.mask, timesteps(steps, shift))[0]
+    def run(self, inputs: Any, ref: Any, sampling: Sampling) -> torch.Tensor:
+        """Returns the chunk's latents, one per window position (given frames included)."""
+        return self.family.denoise(self.models, inputs, ref, sampling)

@@ -1,4 +1,5 @@
-"""Stage: a typed execution unit. It declares the Modules it needs and holds no weights itself."""
+"""Stage: a typed execution unit. It wraps one step of a model family, declares the components that step
+needs (the family says which), and holds no weights itself."""
 
 import time
 from collections import defaultdict
@@ -6,6 +7,9 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from typing import ClassVar
 
+from torch import nn
+
+from avatar_cli.families.base import Family
 from avatar_cli.modules.module import Module
 from avatar_cli.runtime.device import Runtime
 from avatar_cli.runtime.flops import flop_counter
@@ -41,15 +45,31 @@ class StageTimer:
         return sum(self.seconds.values())
 
 
-class Stage:
-    needs: ClassVar[tuple[str, ...]] = ()
+class Models(Mapping):
+    """The models of some components, looked up at call time: placement may wrap a model (sharded, sequence
+    parallel) or swap its parameters in and out after the stage was made."""
 
-    def __init__(self, modules: Mapping[str, Module], runtime: Runtime):
+    def __init__(self, modules: Mapping[str, Module]):
+        self.modules = modules
+
+    def __getitem__(self, name: str) -> nn.Module:
+        return self.modules[name].model
+
+    def __iter__(self):
+        return iter(self.modules)
+
+    def __len__(self) -> int:
+        return len(self.modules)
+
+
+class Stage:
+    step: ClassVar[str]  # the family step this stage runs
+
+    def __init__(self, family: Family, modules: Mapping[str, Module], runtime: Runtime):
+        self.needs = family.needs.get(self.step, ())
         missing = [n for n in self.needs if n not in modules]
         if missing:
             raise ValueError(f"{type(self).__name__} needs modules {missing}")
-        self.modules = {n: modules[n] for n in self.needs}
+        self.family = family
+        self.models = Models({n: modules[n] for n in self.needs})
         self.runtime = runtime
-
-    def model(self, name: str):
-        return self.modules[name].model

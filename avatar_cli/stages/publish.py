@@ -6,6 +6,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from avatar_cli.families.base import RollingState
 from avatar_cli.stages.base import Stage
 
 
@@ -30,17 +31,14 @@ def fit_frames(x: torch.Tensor, width: int, height: int) -> torch.Tensor:
 
 
 class DecodePublish(Stage):
-    needs = ("vae",)
-    batch = 8  # frames decoded at once: small enough for a quick first frame, big enough to keep convs efficient
+    step = "decode"
 
-    def run(self, z_hi: torch.Tensor, cache: torch.Tensor | None, sink: FrameSink,
-            size: tuple[int, int]) -> tuple[torch.Tensor, int]:
-        """z_hi (T, C, H/f, W/f), consecutive final frames. Returns the decoder cache and frames published."""
-        vae = self.model("vae")
-        for i in range(0, z_hi.shape[0], self.batch):
-            z = z_hi[i:i + self.batch].contiguous(memory_format=torch.channels_last)
-            x, cache = vae.decode(z, cache)  # (t, 3, S, S) in [-1, 1]
+    def run(self, z: torch.Tensor, state: RollingState, sink: FrameSink, size: tuple[int, int]) -> int:
+        """z: consecutive final latents; the decoder's cache carries in `state`. Returns frames published."""
+
+        def put(x: torch.Tensor) -> None:  # x (t, 3, S, S) in [-1, 1]
             x = fit_frames(x.float(), *size)  # (t, 3, height, width)
             frames = ((x.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1)  # (t, H, W, 3)
             sink.put(frames.cpu().numpy())
-        return cache, z_hi.shape[0]
+
+        return self.family.decode(self.models, z, state, put)

@@ -15,7 +15,7 @@ import torch
 from avatar_cli.families.mini.config import SIZES
 from avatar_cli.runtime.distributed import init_distributed
 from avatar_cli.runtime.parallelize import parallelize_model
-from avatar_cli.runtime.sequence_parallel import SequenceParallelDiT
+from avatar_cli.families.mini.parallel import SequenceParallelDiT
 from common import inputs, tiny_dit
 
 

@@ -17,7 +17,7 @@ from avatar_cli.families.mini.sr import SuperRes
 from avatar_cli.runtime.distributed import init_distributed
 from avatar_cli.runtime.frame_parallel import FrameParallel
 from avatar_cli.runtime.parallelize import parallelize_model, prefetch_stage, reshard_stage
-from avatar_cli.runtime.sequence_parallel import SequenceParallelDiT
+from avatar_cli.families.mini.parallel import SequenceParallelDiT
 from common import exit_now, inputs, tiny_dit
 
 # Relative to max |output|: a frame-predicting DiT's velocity divides by 1 - t, so outputs reach |100| near t = 1;

@@ -70,7 +70,7 @@ def nearest_given(x: torch.Tensor, mask: torch.Tensor, max_gap: int
     return pick(left, has_l), pick(right, has_r), gap_l, gap_r
 
 
-# q, k, v (B, H, N, Dh) -> (B, H, N, Dh). Sequence parallelism swaps in its own (runtime/sequence_parallel.py).
+# q, k, v (B, H, N, Dh) -> (B, H, N, Dh). Sequence parallelism swaps in its own (families/mini/parallel.py).
 AttentionOp = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 

@@ -46,13 +46,13 @@ def check_rank_count(jobs: list, overrides: list[str], output: str | None, nproc
     """
     from avatar_cli.errors import AvatarError, InputError
     from avatar_cli.modules.registry import resolve_model
-    from avatar_cli.runtime.sequence_parallel import check_degree
+    from avatar_cli.families.base import check_degree
     from avatar_cli.spec import load_job
 
     for path in jobs:
         try:
             job = load_job(path, overrides, output)
-            heads = resolve_model(job.model, job.path.parent).config.dit.heads
+            heads = resolve_model(job.model, job.path.parent).family.parallel.sp_heads
         except AvatarError:
             continue
         try:

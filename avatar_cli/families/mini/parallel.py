@@ -24,14 +24,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from avatar_cli.families.base import check_degree
 from avatar_cli.families.mini.dit import nearest_given
-
-
-def check_degree(heads: int, degree: int) -> None:
-    """Fail at start, not mid-render: Ulysses gives each rank heads/degree whole heads."""
-    if degree < 1 or heads % degree:
-        raise ValueError(f"sequence parallel: dit.heads={heads} is not divisible by the degree {degree} "
-                         f"(the number of ranks); use a rank count that divides {heads}")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,180 @@
+"""What a model family tells the renderer, and the few types it shares with it.
+
+A family knows its own models. It declares
+- its components (one model each, named; the runtime places, shards and offloads them by name),
+- its chunk geometry (which chunk kinds it supports, native fps, native frame size),
+- its chunk plan and its sampler,
+- and how one chunk's model inputs are built, denoised, kept, refined and decoded.
+
+The Pipeline runs these steps in its fixed order, timing each and bringing each step's components onto the
+device (`Step.needs`); the Stages wrap them one step each. Neither knows any family: they see only this
+interface, and a family imports nothing of pipeline/, runtime/, media/ or the CLI.
+
+The rolling state between chunks is a plain container of tensors (`RollingState`): what a family keeps in it
+is its own business, and all of it is saved in resume checkpoints, so a resumed render continues exactly.
+"""
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol
+
+import numpy as np
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Chunk:
+    kind: str  # a kind the family declares, e.g. "N" (carries the timeline) or "I" (smooths a seam)
+    index: int
+    start: int  # timeline frame of window position 0
+    length: int  # window length in frames
+    cond: tuple[int, ...]  # window positions given clean (motion frames, or the two anchors)
+    keep: tuple[int, int]  # [s, e): timeline frames whose output this chunk keeps
+    publish_to: int  # after this chunk, every frame before this index is final
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}{self.index}"
+
+
+@dataclass
+class RollingState:
+    """What survives between chunks; nothing here may grow with the video's length.
+
+    tensors: the family's own (motion frames, anchors, its decoder cache, ...), saved whole in checkpoints.
+    held: final but unpublished latents as (first timeline frame, (n, ...)); at most a few stretches.
+    """
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    held: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    published: int = 0  # frames handed to the encoder so far
+
+    def take_final(self, upto: int) -> torch.Tensor | None:
+        """Pop the held stretches that end at or before `upto`, in timeline order, as one tensor."""
+        self.held.sort(key=lambda s: s[0])
+        ready = [z for start, z in self.held if start + z.shape[0] <= upto]
+        self.held = [(s, z) for s, z in self.held if s + z.shape[0] > upto]
+        return torch.cat(ready) if ready else None
+
+
+class AudioSource(Protocol):
+    def read(self, start: int, end: int) -> np.ndarray: ...  # mono float32 samples [start, end), zero-padded
+
+    def release(self, before: int) -> None: ...  # samples before this index will not be read again
+
+
+@dataclass(frozen=True)
+class Geometry:
+    kinds: tuple[str, ...]  # chunk kinds the family's plan can produce
+    native_size: tuple[int, int]  # (width, height) the decoder outputs
+    native_fps: float | None  # None: the family renders at any fps the job asks for
+    sample_rate: int  # audio sample rate the family's audio features read
+
+
+def check_degree(heads: int, degree: int) -> None:
+    """Fail at start, not mid-render: Ulysses gives each rank heads/degree whole heads."""
+    if degree < 1 or heads % degree:
+        raise ValueError(f"sequence parallel: dit.heads={heads} is not divisible by the degree {degree} "
+                         f"(the number of ranks); use a rank count that divides {heads}")
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """How the runtime spreads the family's components over several ranks.
+
+    sharded: FSDP2, one unit per transformer block (the big models); the rest are replicated.
+    frame_parallel: components that work frame by frame, so each rank takes a share of the frames.
+    sequence_parallel: the component whose forward the ranks split (Ulysses over heads), with the wrapper
+      that does it (model, process group) -> module, and its head count (the rank count must divide it).
+    """
+
+    sharded: tuple[str, ...] = ()
+    frame_parallel: tuple[str, ...] = ()
+    sequence_parallel: str | None = None
+    sp_wrap: Callable[[nn.Module, Any], nn.Module] | None = None
+    sp_heads: int = 1
+
+
+@dataclass(frozen=True)
+class Sampling:
+    steps: int
+    guidance: float
+    shift: float
+
+
+Models = Mapping[str, nn.Module]
+
+
+class Family(ABC):
+    """A model family: the unit that knows its own models (see the module docstring).
+
+    `needs` says which components each step uses, so the Pipeline can bring them onto the device (and start
+    copying the next step's in) around it. A step a family does not have (no super-resolution) needs ().
+    """
+
+    name: ClassVar[str]
+    needs: ClassVar[Mapping[str, tuple[str, ...]]]  # step -> components: reference, prompt, context, denoise, refine, decode
+
+    @property
+    @abstractmethod
+    def components(self) -> Mapping[str, tuple[type[nn.Module], Any]]:
+        """name -> (model class, its params dataclass)."""
+
+    @property
+    @abstractmethod
+    def geometry(self) -> Geometry: ...
+
+    @property
+    @abstractmethod
+    def parallel(self) -> ParallelPlan: ...
+
+    @abstractmethod
+    def plan(self, chunking: Any, total_frames: int) -> list[Chunk]:
+        """The whole chunk schedule of a video of `total_frames` frames (the job's `chunking` settings)."""
+
+    @abstractmethod
+    def check_job(self, chunking: Any, sampling: Sampling) -> None:
+        """Raise ValueError naming a job setting this family cannot render (a spec error, exit 2)."""
+
+    # Once per job.
+    @abstractmethod
+    def reference(self, models: Models, image: torch.Tensor, device: torch.device, dtype: torch.dtype) -> Any:
+        """image (3, H, W) in [-1, 1] at the native size -> the reference conditioning."""
+
+    @abstractmethod
+    def prompt(self, models: Models, prompt: str, device: torch.device, dtype: torch.dtype) -> Any:
+        """The prompt's conditioning."""
+
+    # Per chunk.
+    @abstractmethod
+    def context(self, models: Models, chunk: Chunk, audio: AudioSource, fps: float, text: Any,
+                state: RollingState, seed: int, device: torch.device, dtype: torch.dtype) -> Any:
+        """Everything the sampler needs for one chunk: audio features, noise, given frames."""
+
+    @abstractmethod
+    def release_audio(self, models: Models, audio: AudioSource, frame: int, fps: float) -> None:
+        """No later chunk reads audio for frames before `frame`: let the reader drop it."""
+
+    @abstractmethod
+    def denoise(self, models: Models, inputs: Any, ref: Any, sampling: Sampling) -> torch.Tensor:
+        """Sample the chunk's latents (one per window position)."""
+
+    @abstractmethod
+    def keep(self, chunk: Chunk, z: torch.Tensor, state: RollingState, chunking: Any) -> None:
+        """Hold the chunk's kept latents (state.held) and update what later chunks are conditioned on."""
+
+    def refine(self, models: Models, z: torch.Tensor, ref: Any) -> torch.Tensor:
+        """Final latents -> the latents the decoder takes (super-resolution); identity by default."""
+        return z
+
+    @abstractmethod
+    def decode(self, models: Models, z: torch.Tensor, state: RollingState,
+               put: Callable[[torch.Tensor], None]) -> int:
+        """Decode consecutive final latents in timeline order, carrying the decoder cache in `state.tensors`;
+        hand each batch of frames (T, 3, H, W) in [-1, 1] to `put` as soon as it exists. Returns frames made."""
