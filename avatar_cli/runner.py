@@ -200,12 +200,12 @@ def _resume_point(p: Prepared, fingerprint: dict[str, str], reporter: Reporter, 
     if not usable:
         reporter.info(f"resume: the {on_disk} frames on disk end before the first point a render can continue from "
                       "(a keyframe with a saved state); starting from the first chunk")
-        found.stretches, found.points = [], []
+        found.stretches, found.points, found.chain, found.folded = [], [], "", 0
         return found, None, source, 0
     point = usable[-1]
     # Stretches the interrupted render published after this point: what we generate again must match them.
-    found.expected = {(a, b): d for a, b, d in found.stretches[point.digests:]}
-    found.stretches = found.stretches[: point.digests]
+    found.expected = {(a, b): d for a, b, d in found.since(point.digests)}
+    found.truncate(point.digests)
     found.points = [pt for pt in found.points if pt.published <= point.published]
     reporter.info(f"resume: {on_disk} frames were on disk; copying {copy_to}, generating again from frame "
                   f"{point.published} of {p.frames}")

@@ -399,6 +399,39 @@ def test_render_checkpoints_get_the_mode_open_gives(tmp_path: Path):
     assert len(state_files) == 1 and state_files[0].stat().st_mode & 0o777 == 0o644
 
 
+def test_render_checkpoint_does_not_grow_with_the_video(tmp_path: Path):
+    """Hours of video: the checkpoint keeps the stretches its resume points need and folds the rest into
+    the chain digest, so its JSON (rewritten every stretch) and its memory stay bounded, and the digest is
+    the one the whole list would give."""
+    import json
+
+    import torch
+
+    from avatar_cli.families.base import RollingState
+    from avatar_cli.pipeline import checkpoint
+
+    partial = tmp_path / "video.partial.mp4"
+    partial.write_bytes(b"")
+    ckpt = checkpoint.Checkpoint({}, 10**6, 0)
+    writer = checkpoint.CheckpointWriter(partial, ckpt)
+    every, sizes = [], []
+    for i in range(300):
+        stretch = [24 * i, 24 * (i + 1), f"{i:064x}"]
+        every.append(stretch)
+        writer.add_stretch(*stretch)
+        writer.save(i + 1, RollingState(tensors={"tail": torch.zeros(2)}, published=24 * (i + 1)))
+        sizes.append(len(checkpoint.paths(partial)[0].read_text()))
+    assert len(ckpt.stretches) <= checkpoint.RING and ckpt.folded == 300 - len(ckpt.stretches)
+    assert sizes[-1] - sizes[100] < 100  # only wider numbers: a growing list would add ~90 bytes a stretch
+    assert ckpt.frames_digest == checkpoint.chain_digest(every)
+    # What a rerun reads back continues the same chain.
+    found = checkpoint.load_checkpoint(partial)
+    assert found.frames_digest == ckpt.frames_digest
+    point = found.points[0]
+    assert found.since(point.digests) == every[point.digests:]
+    assert json.loads(checkpoint.paths(partial)[0].read_text())["folded"] == ckpt.folded
+
+
 def test_terminal_messages_keep_brackets(capsys):
     """Rich reads '[take]' as markup: a path with brackets must reach the terminal as it is."""
     from avatar_cli.batch import JobResult

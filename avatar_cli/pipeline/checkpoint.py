@@ -37,7 +37,7 @@ class ResumePoint:
     published: int  # frames handed to the encoder before that chunk
     state_file: str
     held_starts: list[int]
-    digests: int  # how many entries of Checkpoint.stretches this point covers
+    digests: int  # how many published stretches (counted from the start of the video) this point covers
 
 
 @dataclass
@@ -45,7 +45,11 @@ class Checkpoint:
     fingerprint: dict[str, str]  # what must not change for a resume to be valid
     total_frames: int
     seed: int
-    stretches: list[list] = field(default_factory=list)  # [start, end, sha256 of the uint8 frames]
+    # [start, end, sha256 of the uint8 frames] of the stretches since the oldest resume point; the ones before
+    # are folded into `chain` (`folded` of them), so neither this object nor its JSON grows with the video.
+    stretches: list[list] = field(default_factory=list)
+    chain: str = ""
+    folded: int = 0
     points: list[ResumePoint] = field(default_factory=list)
     bytes_written: int = 0
     seq: int = 0
@@ -55,15 +59,34 @@ class Checkpoint:
 
     @property
     def frames_digest(self) -> str:
-        return chain_digest(self.stretches)
+        return chain_digest(self.stretches, self.chain)
+
+    @property
+    def published_stretches(self) -> int:
+        return self.folded + len(self.stretches)
+
+    def since(self, count: int) -> list[list]:
+        """The stretches after the first `count` of the video (count >= folded)."""
+        return self.stretches[count - self.folded:]
+
+    def truncate(self, count: int) -> None:
+        """Forget the stretches after the first `count` (a resume regenerates them)."""
+        self.stretches = self.stretches[: count - self.folded]
+
+    def fold(self, upto: int) -> None:
+        """Fold the stretches before the first `upto` of the video into the chain (no resume point needs them)."""
+        n = upto - self.folded
+        if n > 0:
+            self.chain = chain_digest(self.stretches[:n], self.chain)
+            self.stretches, self.folded = self.stretches[n:], upto
 
 
-def chain_digest(stretches: list[list]) -> str:
-    """One digest over every published stretch in order: equal iff every frame is bit-identical."""
-    h = hashlib.sha256()
+def chain_digest(stretches: list[list], chain: str = "") -> str:
+    """One digest over every published stretch in order, each folded into the digest of those before it:
+    equal iff every frame is bit-identical (and the same stretches were published)."""
     for start, end, digest in stretches:
-        h.update(f"{start}:{end}:{digest};".encode())
-    return h.hexdigest()
+        chain = hashlib.sha256(f"{chain}|{start}:{end}:{digest}".encode()).hexdigest()
+    return chain
 
 
 def paths(partial: Path) -> tuple[Path, str]:
@@ -123,8 +146,10 @@ class CheckpointWriter:
             code = errno.ENOSPC if "No space left" in str(e) else errno.EIO
             raise OSError(code, os.strerror(code)) from e
         os.replace(tmp, self.partial.parent / name)
-        c.points.append(ResumePoint(next_chunk, state.published, name, [s for s, _ in state.held], len(c.stretches)))
+        c.points.append(ResumePoint(next_chunk, state.published, name, [s for s, _ in state.held],
+                                    c.published_stretches))
         dropped, c.points = c.points[:-RING], c.points[-RING:]
+        c.fold(c.points[0].digests)
         c.bytes_written = self.partial.stat().st_size if self.partial.exists() else 0
         record = {k: v for k, v in asdict(c).items() if k != "expected"}
         _atomic_write(self.json_path, json.dumps(record).encode())
