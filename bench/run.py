@@ -96,6 +96,8 @@ def stage_flops(audio: Path, overrides: list[str]) -> dict[str, int]:
     p = prepare(load_job(ROOT / "sample_inputs" / "job.yaml", [f"audio={audio}", *overrides]), force=True)
     runtime, dist = setup_runtime(p.job.spec)
     modules, placement = ModelCache().get(p.model, runtime, dist, p.job.spec.runtime, make_reporter(True))
+    for m in modules.values():  # FlopCounterMode's module tracker trips over leaves that require grad
+        m.model.requires_grad_(False)
     pipeline = Pipeline(modules, p.model.family, runtime, placement, count_flops=True)
     reader = AudioWindowReader(p.job.audio, sample_rate=p.model.config.audio.sample_rate, info=p.audio)
     try:
