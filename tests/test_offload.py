@@ -291,7 +291,7 @@ def test_a_gpu_rank_binds_to_its_node_before_joining_the_process_group(monkeypat
 
     calls = []
     monkeypatch.setenv("LOCAL_RANK", "1")
-    monkeypatch.setattr(runner, "resolve_runtime", lambda _: Runtime(torch.device("cuda"), torch.bfloat16))
+    monkeypatch.setattr(runner, "resolve_runtime", lambda *_: Runtime(torch.device("cuda"), torch.bfloat16))
     monkeypatch.setattr(runner, "launched_by_torchrun", lambda: True)
     monkeypatch.setattr(runner, "bind_to_gpu_node", lambda device: calls.append(("bind", str(device))) or {0})
     monkeypatch.setattr(runner, "current_dist", lambda kind: calls.append(("dist", kind)) or Dist())
