@@ -101,9 +101,8 @@ def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(xc * freqs).flatten(-2).to(x.dtype)  # (B, H, N, Dh)
 
 
-class SelfAttention(nn.Module):
-    """Full (non-causal) self-attention with RMSNorm over all heads on q and k, and RoPE. Keys q, k, v, o, norm_q,
-    norm_k as WanSelfAttention. The attention itself is `self.attn_op`, swappable for sequence parallelism."""
+class _QKVO(nn.Module):
+    """The q, k, v, o projections and the q/k RMSNorms over all heads that Wan's attentions share (their keys)."""
 
     def __init__(self, dim: int, num_heads: int, qk_norm: bool, eps: float):
         super().__init__()
@@ -114,6 +113,14 @@ class SelfAttention(nn.Module):
         self.o = nn.Linear(dim, dim)
         self.norm_q = RMSNorm(dim, eps) if qk_norm else nn.Identity()
         self.norm_k = RMSNorm(dim, eps) if qk_norm else nn.Identity()
+
+
+class SelfAttention(_QKVO):
+    """Full (non-causal) self-attention with RMSNorm over all heads on q and k, and RoPE. Keys q, k, v, o, norm_q,
+    norm_k as WanSelfAttention. The attention itself is `self.attn_op`, swappable for sequence parallelism."""
+
+    def __init__(self, dim: int, num_heads: int, qk_norm: bool, eps: float):
+        super().__init__(dim, num_heads, qk_norm, eps)
         self.attn_op: AttentionOp = F.scaled_dot_product_attention
 
     def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
@@ -127,18 +134,8 @@ class SelfAttention(nn.Module):
         return self.o(a.transpose(1, 2).flatten(2))  # (B, N, D)
 
 
-class CrossAttention(nn.Module):
+class CrossAttention(_QKVO):
     """Unmasked cross-attention with RMSNorm on q and k, no RoPE (WanCrossAttention). Keys as SelfAttention."""
-
-    def __init__(self, dim: int, num_heads: int, qk_norm: bool, eps: float):
-        super().__init__()
-        self.num_heads = num_heads
-        self.q = nn.Linear(dim, dim)
-        self.k = nn.Linear(dim, dim)
-        self.v = nn.Linear(dim, dim)
-        self.o = nn.Linear(dim, dim)
-        self.norm_q = RMSNorm(dim, eps) if qk_norm else nn.Identity()
-        self.norm_k = RMSNorm(dim, eps) if qk_norm else nn.Identity()
 
     def forward(self, x: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
         """x (B, L, D); context (B, M, D) -> (B, L, D) in the weight dtype."""
