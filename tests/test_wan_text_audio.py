@@ -78,8 +78,9 @@ def test_t5_matches_official(tokenizer, attn):
     for i, out in enumerate(outs):
         ref = T5_IO[f"out_{i}"]
         assert out.shape == ref.shape, (i, out.shape, ref.shape)
-        # eager is bit-identical to the official encoder in float32; sdpa within 1e-6.
-        assert rel(out, ref) <= (0.0 if attn == "eager" else 1e-5), (i, rel(out, ref))
+        # eager was bit-identical to the official encoder in float32 with AVX-512 kernels, 1.9e-7 with AVX2 ones
+        # (other matmul kernels, other rounding); sdpa within 1e-6. The bound: 1e-5.
+        assert rel(out, ref) <= 1e-5, (i, rel(out, ref))
         assert rel(out, T5_IO[f"batch_out_{i}"]) <= 1e-5
     assert [o.shape[0] for o in outs] == [int(T5_IO[f"mask_{i}"].sum()) for i in range(len(prompts))]
     assert outs[4].shape[0] == TEXT_LEN  # the long prompt is truncated to 512 tokens, EOS included
