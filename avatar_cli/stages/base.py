@@ -45,7 +45,7 @@ class StageTimer:
         return sum(self.seconds.values())
 
 
-class Models(Mapping):
+class ModelView(Mapping):
     """The models of some components, looked up at call time: placement may wrap a model (sharded, sequence
     parallel) or swap its parameters in and out after the stage was made."""
 
@@ -71,5 +71,5 @@ class Stage:
         if missing:
             raise ValueError(f"{type(self).__name__} needs modules {missing}")
         self.family = family
-        self.models = Models({n: modules[n] for n in self.needs})
+        self.models = ModelView({n: modules[n] for n in self.needs})
         self.runtime = runtime

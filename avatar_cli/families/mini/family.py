@@ -12,7 +12,6 @@ from avatar_cli.families.base import (AudioSource, Chunk, Family, Geometry, Mode
                                       Sampling)
 from avatar_cli.families.mini.audio import frame_window_starts, log_mel_windows
 from avatar_cli.families.mini.config import COMPONENTS, FamilyConfig
-
 from avatar_cli.families.mini.parallel import SequenceParallelDiT
 from avatar_cli.families.mini.sampling import sample, timesteps
 from avatar_cli.families.mini.schedule import plan
