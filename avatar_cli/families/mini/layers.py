@@ -74,10 +74,10 @@ def _fast_path(layer: nn.Module, x: torch.Tensor) -> bool:
 
     Training (autograd) keeps the plain ops, so the gradients are those of the formula as written.
     """
-    w = layer.weight
-    return (x.device.type == "cpu" and not (torch.is_grad_enabled() and w.requires_grad)
+    w = getattr(layer, "weight", None)
+    return (type(w) is nn.Parameter  # not a DTensor (FSDP2), a subclass, or a quantized layer's packed weight
+            and x.device.type == "cpu" and not (torch.is_grad_enabled() and w.requires_grad)
             and torch.backends.mkldnn.is_available() and x.dtype == w.dtype
-            and type(w) is nn.Parameter  # not a DTensor (FSDP2) or a subclass
             # bf16 only where oneDNN computes it (an AVX2-only CPU has no bf16 kernels for these fused ops;
             # the plain ops fall back to torch's own, slowly: `runtime.dtype: auto` picks float32 there)
             and (x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())))
