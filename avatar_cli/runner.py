@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from avatar_cli.errors import InputError, RenderError
+from avatar_cli.families.base import Sampling
 from avatar_cli.media.audio import AudioInfo, AudioWindowReader, probe_audio
 from avatar_cli.media.image import fit_square, load_image, small_image_warning
 from avatar_cli.media.writer import Mp4Writer, resolve_codec
@@ -106,6 +107,11 @@ def prepare(job: Job, force: bool = False) -> Prepared:
         raise InputError(f"audio: {job.audio}: {audio.duration_s * 1000:.1f} ms is shorter than one frame at {fps:g} fps")
     model = resolve_model(job.model, job.path.parent)
     check_model(model)
+    sp = job.spec.sampling
+    try:  # a setting this family cannot render is a spec error, before any model loads
+        model.family.check_job(job.spec.chunking, Sampling(sp.steps, sp.guidance, sp.shift))
+    except ValueError as e:
+        raise InputError(f"{job.path}: {e}") from None
     check_output(job.output, force)
     native = model.config.image_size
     v = job.spec.video
