@@ -8,16 +8,20 @@ the listed blocks an audio injector adds, to each latent frame's noisy tokens, c
 audio tokens, after an AdaIN driven by the frame's global audio token. The head maps the noisy tokens to the flow
 prediction (velocity, noise - x0) in float32.
 
-Sequence parallelism (not implemented here; what a split must respect):
-- Self-attention is the only op that mixes tokens across the sequence: swap each block's `self_attn.attn_op` for an
-  all-to-all op (`WanS2VDiT.set_attn_op`). Cross-attention, the FFN and the modulation are per token.
+Sequence parallelism (`parallel.SequenceParallelWanDiT` wraps this model; `forward(..., shard=TokenShard(...))` computes
+one rank's contiguous rows [start, start + length) of the sequence, padded with zero tokens past its end):
+- Self-attention is the only op that mixes tokens across the sequence: the wrapper swaps each block's
+  `self_attn.attn_op` for an all-to-all op (`WanS2VDiT.set_attn_op`). Cross-attention, the FFN and the modulation
+  are per token.
 - Modulation is chosen per segment: tokens before `seg` (the noisy ones) use the current timestep, the rest t = 0. A
-  rank holding tokens [start, end) passes seg - start to each block, which clamps it to [0, end - start].
-- RoPE is per token: `s2v_positions(...)[start:end]` through `rope_freqs` gives a rank its own table.
-- The audio injectors need whole latent frames of noisy tokens (a frame's tokens attend to that frame's audio tokens,
-  AdaIN per frame). The official code all-gathers the full sequence around each injector; a split whose boundaries
-  fall on latent-frame boundaries inside the noisy segment can inject locally instead.
-- The head reads only the noisy tokens. Official SP splits with torch.chunk (no padding): N must divide evenly.
+  shard passes seg - start to each block, which clamps it to [0, end - start].
+- RoPE is per token: `s2v_positions(...)[start:end]` through `rope_freqs` gives a shard its own table.
+- The audio injection is per token too once the token's latent frame is known (AdaIN normalises each token; the
+  frame picks its scale, shift and the audio keys), so a shard injects its own noisy tokens, cut at latent-frame
+  boundaries into a partial first frame, whole frames and a partial last frame (`inject`). The official code
+  all-gathers the full sequence around each injector instead.
+- The head reads only the noisy tokens, which come first: a shard returns the head output of the noisy tokens it
+  holds, and the wrapper gathers them. (Official SP splits with torch.chunk, no padding: N must divide evenly.)
 """
 
 import dataclasses
@@ -326,20 +330,41 @@ class Head(nn.Module):
         return linear_f32(self.head, self.norm(x).float() * (1 + scale) + shift)  # (B, L, C_out)
 
 
+@dataclass(frozen=True)
+class TokenShard:
+    """Rows [start, start + length) of one clip's token sequence: what a sequence-parallel rank computes. Rows past
+    the sequence's end are zero tokens (padding to a multiple of the degree): the attention op must never use them
+    as keys, and nothing reads their output (they follow the noisy tokens, the only ones the head reads)."""
+
+    start: int
+    length: int
+
+    def rows(self, z: torch.Tensor) -> torch.Tensor:
+        """z (N, ...) over the whole sequence -> this shard's rows (length, ...), zero rows past N."""
+        r = z[self.start:self.start + self.length]  # (<= length, ...)
+        return torch.cat([r, r.new_zeros(self.length - r.shape[0], *r.shape[1:])])  # (length, ...)
+
+
 @dataclass
 class S2VSequence:
-    """Everything the blocks need for one clip, prepared once per forward (see the module docstring for how a
-    sequence-parallel runtime would slice it)."""
+    """Everything the blocks need for one clip, prepared once per forward: the whole sequence, or one shard's rows
+    of it (see the module docstring)."""
 
-    tokens: torch.Tensor  # (1, N, D) [noisy | ref | motion]
-    seg: int  # number of noisy tokens: the first token of the t = 0 segment
-    freqs: torch.Tensor  # (N, Dh/2) complex128 RoPE rotations
+    tokens: torch.Tensor  # (1, n, D) [noisy | ref | motion], or rows [start, start + n) of it
+    seg: int  # number of noisy tokens in the whole sequence: the first token of the t = 0 segment
+    start: int  # index in the whole sequence of the first row of `tokens` (0 unless sharded)
+    freqs: torch.Tensor  # (n, Dh/2) complex128 RoPE rotations of these rows
     e0: torch.Tensor  # (1, 6, 2, D) fp32 modulation: slot 0 current t, slot 1 t = 0
     e_head: torch.Tensor  # (1, D) fp32 time embedding of the current t (the head's)
     context: torch.Tensor  # (1, text_len, D) embedded text
     audio_local: torch.Tensor  # (F, num_audio_token + 1, D) fp32 per-frame audio tokens
     audio_global: torch.Tensor  # (F, D) fp32 per-frame global audio token
     grid: tuple[int, int, int]  # noisy token grid (F/pt, h/ph, w/pw)
+
+    @property
+    def local_seg(self) -> int:
+        """How many of these rows are noisy tokens (they come first)."""
+        return min(max(0, self.seg - self.start), self.tokens.shape[1])
 
 
 class WanS2VDiT(nn.Module):
@@ -393,8 +418,10 @@ class WanS2VDiT(nn.Module):
         return e[:1], torch.stack([e0[0], e0[1]], dim=1)[None]  # (1, D), (1, 6, 2, D)
 
     def prepare(self, x: torch.Tensor, t, context: torch.Tensor, ref: torch.Tensor, motion: torch.Tensor | None,
-                cond: torch.Tensor, audio: torch.Tensor) -> S2VSequence:
-        """The inputs of `forward` -> the token sequence and everything the blocks need."""
+                cond: torch.Tensor, audio: torch.Tensor, shard: TokenShard | None = None) -> S2VSequence:
+        """The inputs of `forward` -> the token sequence (or the shard's rows of it) and everything the blocks need.
+        A shard still embeds the whole sequence (the patch embeddings cost little next to one block) and keeps its
+        rows; its RoPE table is computed for its rows only."""
         p = self.params
         C, frames, lat_h, lat_w = x.shape
         dt = self.patch_embedding.weight.dtype
@@ -412,7 +439,11 @@ class WanS2VDiT(nn.Module):
         tokens = torch.cat(parts, dim=1)  # (1, N, D)
 
         positions = s2v_positions(p, frames, lat_h, lat_w, motion is not None)  # (N, 3)
-        freqs = rope_freqs(positions.to(x.device), p.head_dim)  # (N, Dh/2) complex128
+        start = 0
+        if shard is not None:
+            start = shard.start
+            tokens, positions = shard.rows(tokens[0])[None], shard.rows(positions)  # (1, n, D), (n, 3)
+        freqs = rope_freqs(positions.to(x.device), p.head_dim)  # (n, Dh/2) complex128
 
         e_head, e0 = self.time_embeddings(t, x.device)  # (1, D), (1, 6, 2, D)
 
@@ -422,26 +453,47 @@ class WanS2VDiT(nn.Module):
         # Zero-padded to text_len after trimming, and attended to without a mask, as the official model does.
         ctx = torch.cat([context, context.new_zeros(p.text_len - L, context.shape[1])])[None]  # (1, text_len, C_t)
         ctx = self.text_embedding(as_weight_dtype(ctx, self.text_embedding[0]))  # (1, text_len, D)
-        return S2VSequence(tokens, noisy.shape[1], freqs, e0, e_head, ctx, audio_local, audio_global, grid)
+        return S2VSequence(tokens, noisy.shape[1], start, freqs, e0, e_head, ctx, audio_local, audio_global, grid)
 
     def forward(self, x: torch.Tensor, t, context: torch.Tensor, ref: torch.Tensor, motion: torch.Tensor | None,
-                cond: torch.Tensor, audio: torch.Tensor) -> torch.Tensor:
+                cond: torch.Tensor, audio: torch.Tensor, shard: TokenShard | None = None) -> torch.Tensor:
         """Velocity prediction for one clip.
 
         x (16, F, h, w) noisy latent; t the timestep as the sampler passes it; context (L, text_dim) trimmed T5
         output; ref (16, 1, h, w) reference latent; motion (16, 19, h, w) latents of the last 73 frames, or None
         when motion is dropped (clip 0); cond (16, F, h, w) pose latents (zeros without a pose video); audio
-        (1, 25, audio_dim, 4F) per-video-frame wav2vec2 features. -> (16, F, h, w) float32."""
-        s = self.prepare(x, t, context, ref, motion, cond, audio)
-        h = s.tokens  # (1, N, D)
+        (1, 25, audio_dim, 4F) per-video-frame wav2vec2 features. -> (16, F, h, w) float32.
+
+        With a shard (sequence parallelism, the self-attention op being the wrapper's all-to-all): only the shard's
+        rows are computed, and the result is the head output of the noisy tokens among them,
+        (1, local noisy tokens, prod(patch)·C) float32, for the wrapper to gather and unpatchify."""
+        s = self.prepare(x, t, context, ref, motion, cond, audio, shard)
+        h = s.tokens  # (1, n, D)
         for idx, block in enumerate(self.blocks):
-            h = block(h, s.e0, s.seg, s.freqs, s.context)  # (1, N, D)
+            h = block(h, s.e0, s.seg - s.start, s.freqs, s.context)  # (1, n, D)
             inj = self.audio_injector.block_to_injector.get(idx)
             if inj is not None:
-                noisy = self.audio_injector(inj, h[:, :s.seg], s.audio_local, s.audio_global)  # (1, n_noisy, D)
-                h = torch.cat([noisy, h[:, s.seg:]], dim=1)  # (1, N, D)
-        out = self.head(h[:, :s.seg], s.e_head)  # (1, n_noisy, prod(patch)·C)
-        return self.unpatchify(out[0], s.grid)  # (C, F, h, w)
+                h = self.inject(inj, h, s)  # (1, n, D)
+        out = self.head(h[:, :s.local_seg], s.e_head)  # (1, local noisy, prod(patch)·C)
+        return out if shard is not None else self.unpatchify(out[0], s.grid)  # (C, F, h, w)
+
+    def inject(self, i: int, h: torch.Tensor, s: S2VSequence) -> torch.Tensor:
+        """Audio injector i on the noisy tokens among h's rows (whole-sequence tokens [s.start, s.start + n)).
+
+        A token's injection depends only on the token and its latent frame (AdaIN normalises each token; the frame
+        picks the scale, shift and audio keys), so rows that start or end inside a frame are injected as a partial
+        frame of their own: the noisy rows are cut at frame boundaries into a partial first frame, whole frames and a
+        partial last frame. Unsharded that is one piece, the whole frames. h (1, n, D) -> (1, n, D)."""
+        per_frame = s.seg // s.audio_local.shape[0]  # noisy tokens per latent frame
+        a, b = s.start, s.start + s.local_seg  # the noisy tokens held, as whole-sequence indices
+        first = min(b, -(-a // per_frame) * per_frame)  # end of a partial first frame
+        last = max(first, b // per_frame * per_frame)  # start of a partial last frame
+        pieces = []
+        for u, v in ((a, first), (first, last), (last, b)):
+            if u < v:
+                f = slice(u // per_frame, (v - 1) // per_frame + 1)  # the latent frames the piece covers
+                pieces.append(self.audio_injector(i, h[:, u - a:v - a], s.audio_local[f], s.audio_global[f]))
+        return torch.cat([*pieces, h[:, b - a:]], dim=1)  # (1, n, D)
 
     def unpatchify(self, x: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
         """x (F·H·W, pt·ph·pw·C) -> (C, F·pt, H·ph, W·pw) float32."""
