@@ -10,6 +10,9 @@
   in as part of its all-gather, which block i-1 prefetches), and the replicated ones are offloaded as on
   one GPU.
 - CPU: everything stays where it is (the host is the device).
+- Lazy modules (`lazy_module`: still on the meta device) are read from their files where they run: whole onto
+  the device (or host, when offloaded); a sharded one is sharded on meta first, then each rank reads only
+  its shards' rows, so no rank ever holds the whole checkpoint.
 
 The device behind offload is a `Transfer` plus the free memory it reports; tests pass a `HostTransfer`,
 so the whole placement runs on the CPU with the CPU standing in for the GPU.
@@ -23,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from avatar_cli.errors import InputError
+from avatar_cli.modules.loading import materialize
 from avatar_cli.modules.module import Module
 from avatar_cli.runtime.device import Runtime
 from avatar_cli.runtime.distributed import Dist
@@ -100,6 +104,9 @@ def place(modules: Mapping[str, Module], runtime: Runtime, dist: Dist, offload: 
         transfer = CudaTransfer(runtime.device)
     if free_bytes is None and runtime.is_cuda:
         free_bytes = torch.cuda.mem_get_info(runtime.device)[0]
+    for module in modules.values():
+        if module.is_lazy:  # on meta this costs nothing, and the sizes the offload choice reads come out right
+            module.model.to(dtype=runtime.dtype)
     if dist.enabled:
         return _place_sharded(modules, runtime, dist, offload, reshard, working_bytes, transfer, free_bytes,
                               plan or ParallelPlan())
@@ -134,9 +141,14 @@ def _place_sharded(modules: Mapping[str, Module], runtime: Runtime, dist: Dist, 
     for name in SHARDED:
         module = modules[name]
         # Offloaded shards start on the host: FSDP2 moves one block at a time to the device to shard it.
-        module.to("cpu" if choice != "none" else runtime.device, runtime.dtype)
+        home = torch.device("cpu") if choice != "none" else runtime.device
+        lazy = module.is_lazy
+        if not lazy:
+            module.to(home, runtime.dtype)
         placement.sharded[name] = parallelize_model(module.model, dist.mesh, reshard=reshard,
                                                     param_dtype=param_dtype, offload=choice != "none")
+        if lazy:  # sharded on meta: each rank now reads only its own rows of every tensor
+            materialize(module.model, module.index, home, runtime.dtype)
     replicated = {name: m for name, m in modules.items() if name not in SHARDED}
     _offload_replicated(replicated, runtime, choice, transfer, placement)
     if plan.sequence_parallel is not None:
