@@ -199,9 +199,9 @@ def _read_dtensor(reader: "_Reader", name: str, info: TensorInfo, param: DTensor
     padded_shape = local_shape
     if fsdp_param is not None:
         home = torch.device("cpu") if fsdp_param.offload_to_cpu else fsdp_param.device
-        if (device.type, device.index or 0) != (home.type, home.index or 0):
+        if device.type != home.type or None not in (device.index, home.index) and device.index != home.index:
             raise ValueError(f"{name}: FSDP2 keeps this shard on {home}, materialize was asked for {device}")
-        pin = fsdp_param.pin_memory
+        device, pin = home, fsdp_param.pin_memory
         padded_shape = tuple(fsdp_param.padded_sharded_param_size)  # every rank's shard padded to rank 0's rows
     padded = torch.empty(padded_shape, dtype=dtype, device=device, pin_memory=pin)
     padded[rows:].zero_()
