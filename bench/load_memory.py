@@ -14,8 +14,8 @@ reports its RSS just before loading (the baseline), its peak RSS while loading (
 --size bench: >= 1.5 B parameters (3.1 GB); test: ~120 MB (what tests/test_loading.py runs). --cache cold first
 evicts the checkpoint's pages from the page cache (posix_fadvise DONTNEED on its own files only), so the load
 reads the disk; warm reads what the write left cached. --eager measures the way before, for comparison: every
-rank reads every shard whole (safetensors.load_file), then shards. The checkpoint is kept and reused by later runs. --append
-adds the table to bench/results.md.
+rank reads every shard whole (safetensors.load_file), then shards. The checkpoint is kept and reused by later
+runs. --append adds the table to bench/results.md.
 """
 
 import argparse
@@ -186,9 +186,9 @@ def run_ranks(folder: Path, size: str, eager: bool = False, timeout_s: float = 1
     """torchrun --nproc_per_node 2 on this file's worker; every rank's figures."""
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
     env.update(OMP_NUM_THREADS="1", AVATAR_DIST_TIMEOUT_S="600")  # a cold 3 GB read outlasts the default 30 s
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                        __file__, "--worker", str(folder), "--size", size, *(["--eager"] if eager else [])], env=env, capture_output=True, text=True,
-                       timeout=timeout_s)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__,
+           "--worker", str(folder), "--size", size, *(["--eager"] if eager else [])]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
     lines = [line for line in r.stdout.splitlines() if line.startswith("[")]
     if r.returncode != 0 or not lines:
         raise RuntimeError(f"load_memory worker failed ({r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}")

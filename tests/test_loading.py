@@ -119,7 +119,7 @@ def test_rename_maps_another_layout_and_refuses_two_names_for_one(weights, tmp_p
         TensorIndex.from_safetensors(tmp_path, rename=lambda k: "same")
 
 
-def test_a_folder_must_hold_one_index_or_one_file(weights, tmp_path):
+def test_a_folder_must_hold_one_index_or_one_file(tmp_path):
     save_file({"a": torch.zeros(1)}, tmp_path / "a.safetensors")
     save_file({"b": torch.zeros(1)}, tmp_path / "b.safetensors")
     with pytest.raises(InputError, match="expected one .* found a.safetensors, b.safetensors"):

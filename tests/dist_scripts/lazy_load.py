@@ -1,9 +1,10 @@
 """torchrun --nproc_per_node 2: a lazy wan-s2v DiT placed FSDP2-sharded must equal the eager load.
 
 argv: the sharded checkpoint folder (the tiny golden weights in the release's 4-shard layout), then the golden
-folder (the same weights in one file, and the forward's inputs). For each placement (float32 as stored; bfloat16; float32 with the shards offloaded to the host) every
-rank checks that each parameter's local shard is, bit for bit, its rows of the full tensor (FSDP2's torch.chunk
-split: rank 1 of a 1- or 3-row tensor holds 0 or 1 rows), and that a forward equals the eager model's.
+folder (the same weights in one file, and the forward's inputs). For each placement (float32 as stored;
+bfloat16; float32 with the shards offloaded to the host) every rank checks that each parameter's local shard is,
+bit for bit, its rows of the full tensor (FSDP2's torch.chunk split: rank 1 of a 1- or 3-row tensor holds 0 or 1
+rows), and that a forward equals the eager model's.
 Prints one JSON line on rank 0; exits non-zero on any mismatch.
 """
 
