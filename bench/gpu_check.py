@@ -11,6 +11,18 @@ Each section is guarded: a failure prints its error and the rest still run (exit
 
     python bench/gpu_check.py [--budget-s 270] [--long-s 300] [--markdown FILE]
 
+--sections picks sections by name (comma-separated; default: the four behind 1-5, as they always ran):
+handoff, offload_overhead, encode_fps, renders, and `wan`, which the default leaves out (it needs ~45 GB of GPU
+memory and its own time budget):
+  6. wan: Wan2.2-S2V-14B at full size with random weights (WanS2VDiT 16.3 B parameters in bf16, the fp32 VAE),
+     one 480p clip r >= 1 (fact sheet §3.6: latent 16x20x56x104, 32,760 tokens, audio [1,25,1024,80]):
+     a measured bf16 matmul peak; the DiT forward (warm-up + median of 3, CUDA events), its peak memory,
+     tokens/s and FLOP/s (FLOPs counted by FlopCounterMode on meta, bench/wan_budget.py, with the meta
+     prediction of its activation peak); the handoff, GPU idle time from the end of the clip's last Euler step
+     to the first kernel of the VAE decode of its 20 latents (kineto between two marker kernels); the decode
+     (continuing the timeline, 20 latents -> 80 frames) in fp32, the official dtype, and in bf16: median of 2
+     and peak memory. One JSON line per measurement ({"measure": ...}), then a summary line.
+
 --markdown writes the figures as a bench/results.md section (date, GPU, torch, command): paste it in.
 --smoke runs every section on the CPU at toy sizes (HostTransfer for the GPU, wall clock for CUDA
 events): the test suite runs it, so the script's first GPU run is not also its first run. Its figures
@@ -24,6 +36,9 @@ omegaconf not), once here (two pure-abi3/pure-Python wheels, 36 MB, the versions
 then one run, carry [".whl"], timeout_s 420:
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
     PYTHONUNBUFFERED=1 python3 bench/gpu_check.py --markdown $OUT/gpu_check.md
+The wan section alone needs nothing installed (torch only); about 2 minutes on an H200 (an estimate: 6 DiT
+forwards of ~4 s, 8 VAE decodes, ~20 s of meta counting on the CPU), run with timeout_s 300:
+    PYTHONUNBUFFERED=1 python3 bench/gpu_check.py --sections wan --budget-s 240 --markdown $OUT/gpu_check_wan.md
 """
 
 import argparse
@@ -47,6 +62,9 @@ from avatar_cli.families.mini.dit import DiT, DiTParams  # noqa: E402
 from avatar_cli.families.mini.config import COMPONENTS, SIZES  # noqa: E402
 from avatar_cli.modules.module import random_module  # noqa: E402
 from avatar_cli.runtime.offload import BlockOffloader, ModelOffloader, make_transfer  # noqa: E402
+from avatar_cli.families.wan_s2v.dit import WanDiTParams, WanS2VDiT  # noqa: E402
+from avatar_cli.families.wan_s2v.vae import WanVAE, WanVAEParams  # noqa: E402
+import wan_budget as wb  # noqa: E402  (bench/: the Wan shapes and meta counting shared with the budget)
 
 DEV = torch.device("cuda", 0)
 SMOKE = False  # --smoke: CPU, toy sizes
@@ -248,6 +266,164 @@ def encode_fps() -> None:
                 report(f"encode fps {codec} {side}x{side}", f"failed: {e}")
 
 
+def measure(name: str, **fields) -> dict:
+    """One JSON line for a measurement; its fields also become figures of the summary and the markdown."""
+    print(json.dumps({"measure": name, **fields}), flush=True)
+    for k, v in fields.items():
+        RESULTS[f"{name}: {k}"] = v
+    return fields
+
+
+def median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
+
+
+def gb_allocated() -> float:
+    return torch.cuda.memory_allocated(DEV) / 1e9 if DEV.type == "cuda" else 0.0
+
+
+@torch.no_grad()
+def matmul_peak_tflops() -> float:
+    """bf16 matmul TFLOP/s on this device, best of 3 runs of 20 (8192^3 on a GPU): the yardstick for the DiT."""
+    n = size(8192, 128)
+    a, b = (torch.randn(n, n, device=DEV, dtype=torch.bfloat16) for _ in range(2))
+    gpu_ms(lambda: a @ b, repeats=size(5, 1))  # warm-up: cuBLAS picks its kernel
+    best_ms = min(gpu_ms(lambda: a @ b, repeats=size(20, 2)) for _ in range(3))
+    return 2 * n ** 3 / (best_ms / 1e3) / 1e12
+
+
+def marker() -> None:
+    """A recognisable event on the compute timeline: a tiny spin kernel on a GPU, a named range on the CPU."""
+    if DEV.type == "cuda":
+        torch.cuda._sleep(100)  # kernel name: at::cuda::(anonymous namespace)::spin_kernel(long)
+    else:
+        with torch.profiler.record_function("wan.marker"):
+            pass
+
+
+def timeline(prof) -> list[tuple[str, float, float]]:
+    """(name, start us, end us) of the profiled device work: kernels and copies on a GPU, CPU ops on the CPU."""
+    kind = torch.autograd.DeviceType.CUDA if DEV.type == "cuda" else torch.autograd.DeviceType.CPU
+    return sorted(((e.name, e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == kind),
+                  key=lambda e: e[1])
+
+
+def handoff_gap(events: list[tuple[str, float, float]]) -> dict:
+    """From a timeline holding two markers (before and after the Euler step that ends the DiT stage): the Euler
+    step's span and the idle time from the second marker to the decode's first kernel. Copies do not count as
+    the decode's start: its first ops are two small host-to-device copies that wait for the GPU to drain."""
+    marks = [e for e in events if "spin_kernel" in e[0] or e[0] == "wan.marker"]
+    if len(marks) < 2:
+        raise RuntimeError(f"handoff: {len(marks)} of 2 markers in a timeline of {len(events)} events")
+    m1, m2 = marks[0], marks[1]
+    after = [e for e in events if e[1] >= m2[2] and e is not m2 and not e[0].startswith(("Memcpy", "Memset"))]
+    if not after:
+        raise RuntimeError("handoff: no work after the second marker")
+    return {"euler_ms": (m2[1] - m1[2]) / 1e3, "gap_ms": (after[0][1] - m2[2]) / 1e3, "first_kernel": after[0][0][:80]}
+
+
+def wan() -> None:
+    """Wan2.2-S2V-14B at full size, random weights, one 480p clip r >= 1 (the docstring's item 6)."""
+    flushed = SMOKE and torch.set_flush_denormal(True)  # on the CPU small random weights decay into denormals
+    try:
+        wan_measure()
+    finally:
+        if flushed:
+            torch.set_flush_denormal(False)
+
+
+@torch.no_grad()
+def wan_measure() -> None:
+    p, clip, vp = ((WanDiTParams.tiny(), wb.CLIP_TINY, WanVAEParams.tiny()) if SMOKE
+                   else (WanDiTParams.full(), wb.CLIP_480P, WanVAEParams.full()))
+    peak = matmul_peak_tflops()
+    measure("wan matmul peak", bf16_tflops=float(f"{peak:.4g}"), n=size(8192, 128))
+
+    dtype = torch.bfloat16 if DEV.type == "cuda" else torch.float32  # bf16 on the CPU is emulated and slow
+    tokens, noisy = wb.seq_len(p, clip)
+    meta_model = wb.on_meta(WanS2VDiT, p, dtype)
+    meta_inputs = wb.dit_inputs(p, clip, "meta")
+    flops = wb.dit_flops(meta_model, meta_inputs)["total"]
+    predicted = wb.peak_bytes(lambda: meta_model(**meta_inputs))
+    del meta_model
+
+    model = wb.random_init(wb.on_meta(WanS2VDiT, p, dtype), DEV, seed=0)
+    inputs = wb.dit_inputs(p, clip, DEV, generator=torch.Generator(device=DEV).manual_seed(1))
+    weights_gb = gb_allocated()
+    v = model(**inputs)  # warm-up
+    finite = bool(torch.isfinite(v).all())
+    gpu, host, peaks = [], [], []
+    for _ in range(size(3, 2)):
+        reset_peak()
+        base = gb_allocated()
+        e0, h0 = mark(), time.perf_counter()
+        v = model(**inputs)  # (16, F, h, w) fp32
+        host.append((time.perf_counter() - h0) * 1e3)
+        gpu.append(ms_between(e0, mark()))
+        peaks.append(peak_mb() * 2**20 / 1e9 - base)
+    fwd_s = median(gpu) / 1e3
+    measure("wan dit forward", clip=f"{clip.pixels[0]}x{clip.pixels[1]} latent {tuple(v.shape)} r>=1",
+            tokens=tokens, noisy_tokens=noisy, ms_median=round(median(gpu), 2), ms_all=[round(x, 2) for x in gpu],
+            host_ms_median=round(median(host), 2), tokens_per_s=round(tokens / fwd_s, 1),
+            flops=flops, flops_source="FlopCounterMode on meta (bench/wan_budget.py dit_flops)",
+            formula_flops=wb.formula_flops(p, tokens, noisy, clip.frames),
+            tflops=float(f"{flops / fwd_s / 1e12:.4g}"), of_matmul_peak=round(flops / fwd_s / 1e12 / peak, 3),
+            weights_gb=round(weights_gb, 2), peak_gb=round(peak_mb() * 2**20 / 1e9, 2),
+            peak_above_weights_gb=round(max(peaks), 2), predicted_above_weights_gb=round(predicted / 1e9, 2),
+            reserved_gb=round(torch.cuda.max_memory_reserved(DEV) / 1e9, 2) if DEV.type == "cuda" else 0.0,
+            output_finite=finite)
+
+    # The handoff as a render does it: the clip's last Euler step (x0 = x_t - sigma * v), then the VAE decode of
+    # its 20 latents continuing the timeline, both models resident on this GPU.
+    vae = wb.random_init(wb.on_meta(WanVAE, vp, torch.float32), DEV, seed=2)
+    z0 = torch.randn(1, vp.z_dim, clip.frames, clip.lat_h, clip.lat_w, device=DEV)  # (1, 16, F, h, w)
+    _, cache = vae.decode_stream(z0)  # the clip before: a timeline to continue
+    sigma = 0.05
+    gaps = []
+    for _ in range(size(2, 1)):  # the first also pays the profiler's start-up
+        v = model(**inputs)  # returns while the GPU still runs it
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA if DEV.type == "cuda"
+                                                else torch.profiler.ProfilerActivity.CPU]) as prof:
+            marker()
+            x0 = inputs["x"] - sigma * v  # (16, F, h, w) fp32
+            marker()
+            frames, _ = vae.decode_stream(x0[None], cache)  # (1, 3, 4F, 8h, 8w)
+            if DEV.type == "cuda":
+                torch.cuda.synchronize(DEV)
+        gaps.append(handoff_gap(timeline(prof)))
+    measure("wan handoff dit->vae", gap_ms=round(gaps[-1]["gap_ms"], 3), gap_ms_first=round(gaps[0]["gap_ms"], 3),
+            euler_ms=round(gaps[-1]["euler_ms"], 3), first_kernel=gaps[-1]["first_kernel"],
+            frames=int(frames.shape[2]))
+    del model, v, inputs
+    if DEV.type == "cuda":
+        torch.cuda.empty_cache()
+
+    for dtype in (torch.float32, torch.bfloat16):
+        if dtype != vae.conv2.weight.dtype:
+            vae = vae.to(dtype)
+            _, cache = vae.decode_stream(z0)  # a timeline in this dtype to continue (and the warm-up)
+        times, peaks = [], []
+        for _ in range(size(2, 1)):
+            reset_peak()
+            base = gb_allocated()
+            e0 = mark()
+            frames, new_cache = vae.decode_stream(x0[None], cache)  # (1, 3, 4F, 8h, 8w) fp32
+            times.append(ms_between(e0, mark()))
+            peaks.append(peak_mb() * 2**20 / 1e9 - base)
+        name = "fp32" if dtype == torch.float32 else "bf16"
+        measure(f"wan vae decode {name}", latents=clip.frames, frames=int(frames.shape[2]),
+                ms_median=round(median(times), 1), ms_all=[round(x, 1) for x in times],
+                frames_per_s=round(frames.shape[2] / (median(times) / 1e3), 1),
+                peak_above_resident_gb=round(max(peaks), 2), cache_gb=round(new_cache.nbytes() / 1e9, 2),
+                cudnn_tf32=torch.backends.cudnn.allow_tf32)
+    report("wan summary", f"DiT forward {median(gpu) / 1e3:.2f} s at {tokens} tokens "
+                          f"({RESULTS['wan dit forward: tflops']} TFLOP/s, "
+                          f"{RESULTS['wan dit forward: of_matmul_peak']:.0%} of the measured matmul peak), peak "
+                          f"{RESULTS['wan dit forward: peak_gb']} GB; handoff {gaps[-1]['gap_ms']:.3f} ms; VAE decode "
+                          f"of {clip.frames} latents fp32 {RESULTS['wan vae decode fp32: ms_median'] / 1e3:.2f} s, "
+                          f"bf16 {RESULTS['wan vae decode bf16: ms_median'] / 1e3:.2f} s")
+
+
 def markdown(command: str) -> str:
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     cell = lambda x: str(x).replace("|", "\\|")  # noqa: E731  ("max |diff|" must not split a row)
@@ -257,6 +433,10 @@ def markdown(command: str) -> str:
             f"- command: `{command}`\n\n| measure | value |\n| --- | --- |\n{rows}{failed}\n")
 
 
+DEFAULT_SECTIONS = ("handoff", "offload_overhead", "encode_fps", "renders")
+ALL_SECTIONS = (*DEFAULT_SECTIONS, "wan")
+
+
 def main() -> int:
     global DEV, SMOKE
     ap = argparse.ArgumentParser()
@@ -264,7 +444,13 @@ def main() -> int:
     ap.add_argument("--long-s", type=float, default=300.0)
     ap.add_argument("--markdown", type=Path, help="write the figures as a bench/results.md section here")
     ap.add_argument("--smoke", action="store_true", help="CPU, toy sizes: checks the script runs; figures mean nothing")
+    ap.add_argument("--sections", default=",".join(DEFAULT_SECTIONS),
+                    help=f"comma-separated, from {', '.join(ALL_SECTIONS)} (default: all but wan)")
     args = ap.parse_args()
+    chosen = [x for x in args.sections.split(",") if x]
+    unknown = [x for x in chosen if x not in ALL_SECTIONS]
+    if unknown or not chosen:
+        ap.error(f"--sections: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(ALL_SECTIONS)}")
     if args.smoke:
         DEV, SMOKE = torch.device("cpu"), True
     elif not torch.cuda.is_available():
@@ -274,8 +460,9 @@ def main() -> int:
     report("GPU", torch.cuda.get_device_name(DEV) if DEV.type == "cuda" else "none (smoke run on the CPU)")
     report("torch", torch.__version__)
     sections = {"handoff": handoff, "offload_overhead": offload_overhead, "encode_fps": encode_fps,
-                "renders": lambda: renders(args.long_s, deadline)}
-    for name, section in sections.items():
+                "renders": lambda: renders(args.long_s, deadline), "wan": wan}
+    for name in chosen:
+        section = sections[name]
         if time.monotonic() > deadline:
             print(f"skipped {name}: over budget", flush=True)
             FAILED.append(f"{name} (over budget)")

@@ -63,7 +63,7 @@ class Clip:
 
 
 CLIP_480P = Clip(frames=20, lat_h=56, lat_w=104, text_tokens=128)  # fact sheet §3.6: 448x832, 80 frames
-CLIP_TINY = Clip(frames=2, lat_h=16, lat_w=16, text_tokens=8)  # FramePack needs latent sides divisible by 8
+CLIP_TINY = Clip(frames=1, lat_h=8, lat_w=8, text_tokens=8)  # FramePack needs latent sides divisible by 8
 MOTION_LATENTS = 19  # 73 motion frames -> 19 latents (fact sheet §2.3)
 
 
@@ -137,7 +137,9 @@ def formula_flops(p: WanDiTParams, n: int, noisy: int, frames: int) -> float:
     left out (under 0.1 %)."""
     d, f, L = p.dim, p.ffn_dim, p.text_len
     audio_tok = p.num_audio_token + 1
-    block = 2 * n * d * d * 4 + 4 * n * n * d + 2 * n * d * d * 2 + 2 * L * d * d * 2 + 4 * n * L * d + 2 * n * d * f * 2
+    block = (2 * n * d * d * 4 + 4 * n * n * d  # self-attention
+             + 2 * n * d * d * 2 + 2 * L * d * d * 2 + 4 * n * L * d  # text cross-attention
+             + 2 * n * d * f * 2)  # FFN
     injector = (2 * noisy * d * d * 2 + 2 * frames * audio_tok * d * d * 2 + 4 * noisy * audio_tok * d
                 + 2 * frames * d * 2 * d)  # + the AdaIN's Linear on the frame's global token
     embed = 2 * L * (p.text_dim * d + d * d) + 2 * 2 * (p.freq_dim * d + d * d + d * 6 * d) + 2 * noisy * d * 64
