@@ -297,10 +297,11 @@ def one_clip(w: dict) -> dict:
           "PFLOP")
     vp = WanVAEParams.full()
     dec, enc = vae_decode_meta(vp, CLIP_480P, torch.float32), vae_encode_flops(vp, CLIP_480P, 73)
+    dec16 = vae_decode_meta(vp, CLIP_480P, torch.bfloat16)
     print(f"VAE decode of one clip (20 latents -> 80 frames, cache carried), fp32: {dec['flops'] / 1e12:.1f} TFLOP, "
           f"peak {gb(dec['peak_bytes'])} GB beyond weights, latents and incoming cache (the new cache included); "
-          f"decoder cache {gb(dec['cache_bytes'])} GB. Encode of 73 motion frames (official, per clip): "
-          f"{enc / 1e12:.1f} TFLOP")
+          f"decoder cache {gb(dec['cache_bytes'])} GB. In bf16: peak {gb(dec16['peak_bytes'])} GB, cache "
+          f"{gb(dec16['cache_bytes'])} GB. Encode of 73 motion frames (official, per clip): {enc / 1e12:.1f} TFLOP")
     return {"n": n, "n0": n0, "noisy": noisy, "flops": fl["total"], "act": act, "inj": inj, "dec": dec, "enc": enc}
 
 
@@ -341,7 +342,8 @@ def placement(w: dict, c: dict) -> None:
     print(f"\nFSDP2 all-gather per rank per forward: {gb(moved_plain)} GB if the whole DiT is re-gathered "
           f"(7/8 of {gb(w['dit'])}); {gb(moved_ours)} GB with parallelize_model, whose root unit "
           f"({gb(w['root'])} GB) stays gathered; x {STEPS * CFG} forwards = {moved_ours * STEPS * CFG / 1e12:.2f} "
-          f"TB per rank per clip. Replicated: none.")
+          f"TB per rank per clip. Replicated: none, and {gb(usable['80 GB'] - highs[0])} GB of an 80 GB card "
+          "left over.")
     ok = [r for r in range(1, RANKS + 1) if p.num_heads % r == 0]
     even = [r for r in ok if c["n"] % r == 0 and c["n0"] % r == 0]
     print(f"Ulysses rank counts dividing {p.num_heads} heads: {ok}; of these, splitting both {c['n']:,} and "
