@@ -208,14 +208,16 @@ def vae_decode_meta(vp: WanVAEParams, clip: Clip, dtype: torch.dtype) -> dict[st
     return {"flops": counter.get_total_flops(), "cache_bytes": cache.nbytes(), "peak_bytes": peak}
 
 
-def vae_encode_flops(vp: WanVAEParams, clip: Clip, frames: int) -> float:
-    """FLOPs of encoding `frames` pixel frames (the official pipeline re-encodes the 73 motion frames per clip)."""
+def vae_encode_meta(vp: WanVAEParams, clip: Clip, frames: int) -> dict[str, float]:
+    """FLOPs and peak bytes (beyond weights and input) of encoding `frames` pixel frames in fp32: every clip's 73
+    motion frames are re-encoded into its 19 motion latents (official, and the wan-s2v family does the same)."""
     vae = on_meta(WanVAE, vp, torch.float32)
     h, w = clip.pixels
+    x = torch.empty(1, 3, frames, h, w, device="meta")
     counter = flop_counter()
     with torch.no_grad(), counter:
-        vae.encode(torch.empty(1, 3, frames, h, w, device="meta"))
-    return counter.get_total_flops()
+        vae.encode(x)
+    return {"flops": counter.get_total_flops(), "peak_bytes": peak_bytes(lambda: vae.encode(x))}
 
 
 def wav2vec2_large():
@@ -260,7 +262,8 @@ def weights() -> dict:
         ["wav2vec2-large-xlsr-53 (CTC)", f"{n_params(w2v):,}", "fp32", gb(n_bytes(w2v))],
     ]))
     return {"p": p, "dit_model": dit, "dit": n_bytes(dit), "blocks": blocks, "block": n_bytes(dit.blocks[0]),
-            "root": n_bytes(dit) - blocks, "t5": n_bytes(t5), "vae": n_bytes(vae), "w2v": n_bytes(w2v)}
+            "root": n_bytes(dit) - blocks, "t5": n_bytes(t5), "t5_root": n_bytes(t5) - n_bytes(t5.encoder.block),
+            "vae": n_bytes(vae), "w2v": n_bytes(w2v)}
 
 
 def one_clip(w: dict) -> dict:
@@ -296,13 +299,15 @@ def one_clip(w: dict) -> dict:
           f"{formula / 1e15:.3f} PFLOP ({100 * (formula / fl['total'] - 1):+.2f} %); clip 0 {fl0['total'] / 1e15:.3f} "
           "PFLOP")
     vp = WanVAEParams.full()
-    dec, enc = vae_decode_meta(vp, CLIP_480P, torch.float32), vae_encode_flops(vp, CLIP_480P, 73)
+    dec, enc = vae_decode_meta(vp, CLIP_480P, torch.float32), vae_encode_meta(vp, CLIP_480P, 73)
     dec16 = vae_decode_meta(vp, CLIP_480P, torch.bfloat16)
     print(f"VAE decode of one clip (20 latents -> 80 frames, cache carried), fp32: {dec['flops'] / 1e12:.1f} TFLOP, "
           f"peak {gb(dec['peak_bytes'])} GB beyond weights, latents and incoming cache (the new cache included); "
           f"decoder cache {gb(dec['cache_bytes'])} GB. In bf16: peak {gb(dec16['peak_bytes'])} GB, cache "
-          f"{gb(dec16['cache_bytes'])} GB. Encode of 73 motion frames (official, per clip): {enc / 1e12:.1f} TFLOP")
-    return {"n": n, "n0": n0, "noisy": noisy, "flops": fl["total"], "act": act, "inj": inj, "dec": dec, "enc": enc}
+          f"{gb(dec16['cache_bytes'])} GB. Encode of the 73 motion frames, fp32: {enc['flops'] / 1e12:.1f} TFLOP, "
+          f"peak {gb(enc['peak_bytes'])} GB")
+    return {"n": n, "n0": n0, "noisy": noisy, "flops": fl["total"], "act": act, "inj": inj, "dec": dec,
+            "enc": enc["flops"], "enc_peak": enc["peak_bytes"]}
 
 
 def placement(w: dict, c: dict) -> None:
@@ -312,30 +317,37 @@ def placement(w: dict, c: dict) -> None:
     sp_act = c["act"] / RANKS  # every per-token tensor splits 8 ways; q/k/v after the all-to-all: 5 heads of 40
     official = c["n"] * p.dim * 4 + c["inj"]  # + the gathered fp32 residual and a whole-sequence injection
     vae_res = w["vae"] + c["dec"]["cache_bytes"]
-    dec = c["dec"]["peak_bytes"]
+    dec = max(c["dec"]["peak_bytes"], c["enc_peak"])  # the decode, then the motion frames' re-encode
     two_blocks = 2 * w["block"]  # per_block: the running block and the prefetched one
     cols = {  # DiT bytes resident per rank, DiT-stage transient besides activations
         "replicate": (w["dit"], 0),
         "FSDP2 per_block": (w["dit"] / RANKS + w["root"], two_blocks),  # the root unit stays gathered
         "FSDP2 per_block, offload: block": (w["root"], two_blocks),  # shards in pinned host memory
     }
+    # The wan-s2v family shards umT5 like the DiT (its root, the 256k-token embedding, then stays gathered) and
+    # replicates wav2vec2; with offload the shards and the idle replicated models wait in pinned host memory.
+    t5 = {"replicate": w["t5"] / RANKS + w["t5_root"], "FSDP2 per_block": w["t5"] / RANKS + w["t5_root"],
+          "FSDP2 per_block, offload: block": w["t5_root"]}
+    w2v = {"replicate": w["w2v"], "FSDP2 per_block": w["w2v"], "FSDP2 per_block, offload: block": 0.0}
     rows = [["DiT weights resident", *(gb(r) for r, _ in cols.values())],
+            ["umT5 (sharded: shard + gathered root) and wav2vec2 (fp32), as the family places them",
+             *(f"{gb(t5[k])} + {gb(w2v[k])}" for k in cols)],
             ["VAE fp32 + decoder cache (carried from clip to clip)", *[gb(vae_res)] * 3],
             ["DiT stage: gathered blocks", *(gb(t) for _, t in cols.values())],
-            ["DiT stage: activations, Ulysses over 8 (local injection / official all-gather)",
+            ["DiT stage: activations, Ulysses over 8 (ours: local injection / official: all-gather)",
              *[f"{gb(sp_act)} / {gb(sp_act + official)}"] * 3],
-            ["VAE stage: decode peak (fp32)", *[gb(dec)] * 3]]
+            ["VAE stage: decode (or motion re-encode) peak, fp32", *[gb(dec)] * 3]]
     totals, highs = [], []
-    for r, t in cols.values():
-        lo, hi = r + vae_res + max(t + sp_act, dec), r + vae_res + max(t + sp_act + official, dec)
+    for k, (r, t) in cols.items():
+        r += t5[k] + w2v[k] + vae_res
+        lo, hi = r + max(t + sp_act, dec), r + max(t + sp_act + official, dec)
         totals.append(f"**{gb(lo)}**" if abs(hi - lo) < 0.005 * GB else f"**{gb(lo)}-{gb(hi)}**")
         highs.append(hi)
     rows.append(["**peak per GPU**", *totals])
     usable = {"80 GB": 80 * 2**30 - GB, "24 GB": 24 * 2**30 - GB}  # GiB-sized cards less ~1 GB of CUDA context
     rows.append(["fits (80 GB / 24 GB card, 1 GB kept for the CUDA context)",
                  *(" / ".join("yes" if peak_hi <= cap else "no" for cap in usable.values()) for peak_hi in highs)])
-    print(f"\n## Per GPU, {RANKS} ranks, GB (umT5 runs once per job and is freed, its two contexts kept: 4 MB each; "
-          "wav2vec2 on the CPU as official)\n")
+    print(f"\n## Per GPU, {RANKS} ranks, GB\n")
     print(table(["", *cols], rows))
     moved_plain = (RANKS - 1) / RANKS * w["dit"]
     moved_ours = (RANKS - 1) / RANKS * w["blocks"]
@@ -346,10 +358,13 @@ def placement(w: dict, c: dict) -> None:
           "left over.")
     ok = [r for r in range(1, RANKS + 1) if p.num_heads % r == 0]
     even = [r for r in ok if c["n"] % r == 0 and c["n0"] % r == 0]
-    print(f"Ulysses rank counts dividing {p.num_heads} heads: {ok}; of these, splitting both {c['n']:,} and "
-          f"{c['n0']:,} tokens evenly: {even}")
-    print(f"umT5: {gb(w['t5'])} GB replicated, {gb(w['t5'] / RANKS)} GB per rank sharded over {RANKS}; "
-          f"wav2vec2 {gb(w['w2v'])} GB")
+    pad = {r: (-c["n"] % r, -c["n0"] % r) for r in ok if r not in even}
+    print(f"Ulysses rank counts dividing {p.num_heads} heads: {ok}. The official split (torch.chunk, no padding) "
+          f"also needs {c['n']:,} and {c['n0']:,} (clip 0) tokens to divide evenly: {even}; wan_s2v/parallel.py pads "
+          f"to a multiple of the rank count (padding tokens at r >= 1 / clip 0: {pad})")
+    print(f"umT5: {gb(w['t5'])} GB whole, {gb(w['t5'] / RANKS)} GB per rank sharded over {RANKS}, its root "
+          f"(embedding) {gb(w['t5_root'])} GB; it runs once per job (two contexts of <= 512 x 4096 bf16, 4 MB each): "
+          f"freeing it after the prompt saves {gb(t5['FSDP2 per_block'])} GB per rank")
 
 
 def clip_time(w: dict, c: dict) -> None:
@@ -366,7 +381,7 @@ def clip_time(w: dict, c: dict) -> None:
          f"{dit_s:.1f}"],
         [f"VAE decode, 20 latents, fp32 (TF32 convs) at {ASSUMED_UTILISATION:.0%} of {ASSUMED_TF32_TFLOPS}, whole "
          "on each rank", f"{c['dec']['flops'] / 1e12:.1f} T", f"{dec_s:.2f}"],
-        ["VAE encode of 73 motion frames, if re-encoded per clip as official", f"{c['enc'] / 1e12:.1f} T",
+        ["VAE encode of the 73 motion frames, re-encoded per clip", f"{c['enc'] / 1e12:.1f} T",
          f"{enc_s:.2f}"],
         ["**total**", "", f"**{dit_s + dec_s + enc_s:.1f}**"],
     ]))
