@@ -191,7 +191,7 @@ def models(ctx: typer.Context, json: JsonOpt = None, debug: DebugOpt = False) ->
         for name in SHIPPED:
             src = resolve_model(name, Path.cwd())
             _print_info(reporter, {"event": "model", "name": name, "size": src.config.size,
-                                   "params": param_count(src.config), "trained": src.trained,
+                                   "params": param_count(src), "trained": src.trained,
                                    "location": src.location})
 
     _run(action, json, debug)
@@ -199,16 +199,20 @@ def models(ctx: typer.Context, json: JsonOpt = None, debug: DebugOpt = False) ->
 
 @models_app.command("init")
 def models_init(directory: Annotated[Path, typer.Argument(help="A new (or empty) folder.")],
-                size: Annotated[str, typer.Option("--size", help="A named size: tiny or mini.")] = "mini",
+                size: Annotated[Optional[str], typer.Option(
+                    "--size", help="A named size: mini (default) or tiny; wan-s2v: tiny (default).")] = None,
                 seed: Annotated[int, typer.Option("--seed", help="Seed of the random init.")] = 0,
+                family: Annotated[str, typer.Option("--family", help="mini, or wan-s2v (the official Wan2.2-S2V "
+                                                    "layout, random weights).")] = "mini",
                 json: JsonOpt = None, debug: DebugOpt = False) -> None:
-    """Write a randomly initialised model directory (config.json + safetensors)."""
+    """Write a randomly initialised model directory in the family's real format."""
     def action(reporter):
-        from avatar_cli.modules.registry import init_model_dir
+        from avatar_cli.modules.registry import init_family_dir, param_count
 
-        modules = init_model_dir(directory, size, seed)
-        _print_info(reporter, {"event": "model", "name": str(directory), "size": size,
-                               "params": sum(m.num_params for m in modules.values()), "trained": False,
+        chosen = size or ("tiny" if family == "wan-s2v" else "mini")
+        src = init_family_dir(directory, chosen, seed, family)
+        _print_info(reporter, {"event": "model", "name": str(directory), "family": src.family_name, "size": chosen,
+                               "params": param_count(src), "trained": False,
                                "location": str(directory.resolve())})
 
     _run(action, json, debug)

@@ -17,7 +17,7 @@ import torch
 from avatar_cli.errors import InputError, RenderError
 from avatar_cli.families.base import Sampling
 from avatar_cli.media.audio import AudioInfo, AudioWindowReader, probe_audio
-from avatar_cli.media.image import fit_square, load_image, small_image_warning
+from avatar_cli.media.image import fit_image, load_image, small_image_warning
 from avatar_cli.media.writer import Mp4Writer, resolve_codec
 from avatar_cli.modules.module import Module
 from avatar_cli.modules.registry import ModelSource, check_model, load_modules, resolve_model
@@ -45,6 +45,7 @@ class Prepared:
     model: ModelSource
     frames: int
     size: tuple[int, int]  # output (width, height)
+    gen_size: tuple[int, int]  # (width, height) the family generates at (the reference is fitted to it)
 
     @property
     def duration_s(self) -> float:
@@ -53,7 +54,7 @@ class Prepared:
     @property
     def warnings(self) -> list[str]:
         """Input that renders, but not well: said before rendering (and by validate)."""
-        note = small_image_warning(self.image, self.job.reference, self.model.config.image_size)
+        note = small_image_warning(self.image, self.job.reference, min(self.gen_size))
         return [note] if note else []
 
     def estimated_bytes(self) -> int:
@@ -113,10 +114,13 @@ def prepare(job: Job, force: bool = False) -> Prepared:
     except ValueError as e:
         raise InputError(f"{job.path}: {e}") from None
     check_output(job.output, force)
-    native = model.config.image_size
     v = job.spec.video
-    size = (v.width or native, v.height or native)
-    return Prepared(job, image, audio, model, frames, size)
+    requested = (v.width, v.height) if v.width else None
+    try:
+        gen_size = model.family.frame_size((image.shape[1], image.shape[0]), requested)
+    except ValueError as e:
+        raise InputError(f"{job.path}: {e}") from None
+    return Prepared(job, image, audio, model, frames, requested or gen_size, gen_size)
 
 
 @dataclass
@@ -217,7 +221,7 @@ def _resume_point(p: Prepared, fingerprint: dict[str, str], reporter: Reporter, 
                   f"{point.published} of {p.frames}")
     rs = p.job.spec.runtime
     rt = resolve_runtime(rs.device.value, rs.dtype.value, rs.threads)
-    state = ckpt.load_state(partial, point, rt.device, rt.dtype)
+    state = ckpt.load_state(partial, point, rt.device)
     return found, ResumeFrom(point.next_chunk, state), source, copy_to
 
 
@@ -228,13 +232,12 @@ def _share_resume(dist: Dist, resume_from: ResumeFrom | None, runtime: Runtime) 
     payload = None
     if dist.is_main and resume_from is not None:
         st = resume_from.state
-        payload = (resume_from.next_chunk, ckpt.state_tensors(st), [s for s, _ in st.held], st.published)
+        payload = (resume_from.next_chunk, ckpt.state_tensors(st), ckpt.held_spans(st), st.published)
     payload = dist.broadcast_object(payload)
     if payload is None:
         return None
-    next_chunk, tensors, held_starts, published = payload
-    return ResumeFrom(next_chunk, ckpt.state_from_tensors(tensors, held_starts, published, runtime.device,
-                                                          runtime.dtype))
+    next_chunk, tensors, held, published = payload
+    return ResumeFrom(next_chunk, ckpt.state_from_tensors(tensors, held, published, runtime.device))
 
 
 def render(p: Prepared, reporter: Reporter, models: ModelCache | None = None, resume: str = "never") -> dict:
@@ -277,7 +280,7 @@ def _render_locked(p: Prepared, reporter: Reporter, models: ModelCache | None, r
 
     modules, placement = (models or ModelCache()).get(p.model, runtime, dist, spec.runtime, reporter)
     pipeline = Pipeline(modules, p.model.family, runtime, placement)
-    image = fit_square(p.image, p.model.config.image_size)  # (3, S, S) in [-1, 1]
+    image = fit_image(p.image, *p.gen_size)  # (3, H, W) in [-1, 1]
     chunks = pipeline.schedule(spec, frames)
 
     first_put = resume_from.state.published if resume_from else 0
@@ -289,7 +292,7 @@ def _render_locked(p: Prepared, reporter: Reporter, models: ModelCache | None, r
                            crf=spec.video.crf, preset=spec.video.preset, metadata={"comment": output_tag(fingerprint)},
                            resume_from=source, resume_frames=copy_to, first_put=first_put)
     saver = ckpt.CheckpointWriter(partial, checkpoint)
-    reader = AudioWindowReader(p.job.audio, sample_rate=p.model.config.audio.sample_rate, info=p.audio)
+    reader = AudioWindowReader(p.job.audio, sample_rate=p.model.family.geometry.sample_rate, info=p.audio)
     for warning in p.warnings if main else []:
         reporter.info(warning)
     if main and spec.runtime.dtype.value == "auto":

@@ -168,11 +168,13 @@ def load_job(job_path: str | Path, overrides: list[str] | None = None, output: s
     if not OmegaConf.is_dict(job_cfg):
         raise SpecError(f"job: {path}: expected a mapping of keys at the top level")
 
-    cfg = OmegaConf.structured(JobSpec)
+    # Layers, lowest first. A model family's own defaults (wan-s2v: 16 fps, 40 steps, ...) sit between
+    # configs/default.yaml (mini's values) and the job file, so whatever the user wrote still wins.
+    layers = []
     defaults = CONFIGS_DIR / "default.yaml"
     if defaults.is_file():
-        cfg = _merge(cfg, OmegaConf.load(defaults), str(defaults))
-    cfg = _merge(cfg, job_cfg, str(path))
+        layers.append((OmegaConf.load(defaults), str(defaults)))
+    layers.append((job_cfg, str(path)))
     cli_keys: set[str] = set()
     for item in overrides or []:
         if "=" not in item:
@@ -182,8 +184,22 @@ def load_job(job_path: str | Path, overrides: list[str] | None = None, output: s
             layer = OmegaConf.from_dotlist([item])
         except OmegaConfBaseException as e:
             raise SpecError(f"override '{item}': {str(e).splitlines()[0]}") from None
-        cfg = _merge(cfg, layer, f"override '{item}'")
+        layers.append((layer, f"override '{item}'"))
         cli_keys.add(key)
+
+    def merged(layers) -> OmegaConf:
+        cfg = OmegaConf.structured(JobSpec)
+        for layer, where in layers:
+            cfg = _merge(cfg, layer, where)
+        return cfg
+
+    cfg = merged(layers)
+    family = _family_defaults(cfg.model, Path.cwd() if "model" in cli_keys else path.resolve().parent)
+    if family:
+        name, values = family
+        layers.insert(1 if defaults.is_file() else 0, (OmegaConf.from_dotlist(
+            [f"{k}={v}" for k, v in values.items()]), f"the {name} family's defaults"))
+        cfg = merged(layers)
     if output is not None:
         cfg.output = output
         cli_keys.add("output")
@@ -203,6 +219,14 @@ def load_job(job_path: str | Path, overrides: list[str] | None = None, output: s
         model = str(resolve("model", spec.model))
     return Job(spec=spec, path=path.resolve(), reference=resolve("reference", spec.reference),
                audio=resolve("audio", spec.audio), output=resolve("output", spec.output), model=model)
+
+
+def _family_defaults(model: str, base: Path) -> tuple[str, dict] | None:
+    """(family name, its job defaults) of the job's model, or None when it has none or the model does not
+    resolve (prepare() then says why, with exit 2)."""
+    from avatar_cli.modules.registry import family_defaults  # local import, as below
+
+    return family_defaults(model, base)
 
 
 def _shipped_names() -> set[str]:

@@ -15,7 +15,7 @@ is its own business, and all of it is saved in resume checkpoints, so a resumed 
 """
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
@@ -47,32 +47,55 @@ class Chunk:
 class RollingState:
     """What survives between chunks; nothing here may grow with the video's length.
 
-    tensors: the family's own (motion frames, anchors, its decoder cache, ...), saved whole in checkpoints.
-    held: final but unpublished latents as (first timeline frame, (n, ...)); at most a few stretches.
+    tensors: the family's own (motion frames, anchors, its decoder cache, ...), saved whole in checkpoints, each
+      in its own dtype.
+    held: final but unpublished latents as (first timeline frame, end frame, latents); at most a few stretches.
+      A family with one latent per frame holds (s, s + n, (n, ...)); one whose latents each make several frames
+      (a temporal VAE) says which frames its latents become.
     """
 
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-    held: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    held: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)
     published: int = 0  # frames handed to the encoder so far
 
-    def take_final(self, upto: int) -> torch.Tensor | None:
-        """Pop the held stretches that end at or before `upto`, in timeline order, as one tensor."""
+    def take_final(self, upto: int) -> "Final | None":
+        """Pop the held stretches that end at or before `upto`, in timeline order, as one stretch."""
         self.held.sort(key=lambda s: s[0])
-        ready = [z for start, z in self.held if start + z.shape[0] <= upto]
-        self.held = [(s, z) for s, z in self.held if s + z.shape[0] > upto]
-        return torch.cat(ready) if ready else None
+        ready = [h for h in self.held if h[1] <= upto]
+        self.held = [h for h in self.held if h[1] > upto]
+        if not ready:
+            return None
+        return Final(ready[0][0], ready[-1][1], torch.cat([z for _, _, z in ready]))
+
+
+@dataclass
+class Final:
+    """Consecutive final latents that become timeline frames [start, end)."""
+
+    start: int
+    end: int
+    z: torch.Tensor
+
+    @property
+    def frames(self) -> int:
+        return self.end - self.start
 
 
 class AudioSource(Protocol):
+    @property
+    def total(self) -> int: ...  # samples in the audio
+
     def read(self, start: int, end: int) -> np.ndarray: ...  # mono float32 samples [start, end), zero-padded
 
     def release(self, before: int) -> None: ...  # samples before this index will not be read again
+
+    def stream(self) -> Iterator[np.ndarray]: ...  # the whole audio once more, in chunks, from its own decoder
 
 
 @dataclass(frozen=True)
 class Geometry:
     kinds: tuple[str, ...]  # chunk kinds the family's plan can produce
-    native_size: tuple[int, int]  # (width, height) the decoder outputs
+    native_size: tuple[int, int]  # (width, height) the decoder outputs by default
     native_fps: float | None  # None: the family renders at any fps the job asks for
     sample_rate: int  # audio sample rate the family's audio features read
 
@@ -120,6 +143,19 @@ class Family(ABC):
 
     name: ClassVar[str]
     needs: ClassVar[Mapping[str, tuple[str, ...]]]  # step -> components: reference, prompt, context, denoise, refine, decode
+    # Later chunks are conditioned on decoded frames (re-encoded motion pixels): then every rank decodes, not
+    # only the one that writes the file, and the decode step may update the rolling state.
+    decode_feeds_back: ClassVar[bool] = False
+
+    def job_defaults(self) -> dict[str, Any]:
+        """Job-spec values this family renders with unless the job sets them ("sampling.steps": 40, ...)."""
+        return {}
+
+    def frame_size(self, image_wh: tuple[int, int], requested: tuple[int, int] | None) -> tuple[int, int]:
+        """(width, height) the family generates at, for a reference image of size image_wh and the job's
+        video.width/height (None: not set). The output is `requested` when set, else this size.
+        Raise ValueError naming a size it cannot generate."""
+        return self.geometry.native_size
 
     @property
     @abstractmethod
@@ -174,7 +210,8 @@ class Family(ABC):
         return z
 
     @abstractmethod
-    def decode(self, models: Models, z: torch.Tensor, state: RollingState,
+    def decode(self, models: Models, final: Final, state: RollingState,
                put: Callable[[torch.Tensor], None]) -> int:
-        """Decode consecutive final latents in timeline order, carrying the decoder cache in `state.tensors`;
-        hand each batch of frames (T, 3, H, W) in [-1, 1] to `put` as soon as it exists. Returns frames made."""
+        """Decode consecutive final latents (`final.z`, refined) into timeline frames [final.start, final.end),
+        in order, carrying the decoder cache in `state.tensors`; hand each batch of frames (T, 3, H, W) in [-1, 1]
+        to `put` as soon as it exists. Returns frames made (final.frames)."""

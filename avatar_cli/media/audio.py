@@ -257,6 +257,18 @@ class AudioWindowReader:
             self._buf = self._buf[drop:].copy()  # copy so the old, larger block can be freed
         self._buf_start = max(self._buf_start, before)
 
+    def stream(self) -> Iterator[np.ndarray]:
+        """The whole audio again, (n,) float32 chunks from a decoder of its own (this reader's position and
+        buffer are untouched), cut at `total` as read() is: for statistics over the whole track in one pass."""
+        left = self._total
+        for chunk in iter_audio_chunks(self.path, self.sample_rate, "mono"):
+            x = chunk[0][:left]  # (n,)
+            left -= x.size
+            if x.size:
+                yield x
+            if left <= 0:
+                break
+
     def close(self) -> None:
         if self._chunks is not None:
             self._chunks.close()  # type: ignore[attr-defined]  # generator: closes the container

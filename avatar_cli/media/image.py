@@ -16,7 +16,7 @@ from avatar_cli.errors import InputError
 from avatar_cli.media._exif import apply_orientation, jpeg_orientation
 from avatar_cli.media._files import check_readable, input_error, reason
 
-__all__ = ["load_image", "save_png", "fit_square", "small_image_warning"]
+__all__ = ["load_image", "save_png", "fit_square", "fit_image", "small_image_warning"]
 
 # FFmpeg's JPEG decoder hands back a frame for a cut-off file (the missing rows flat green) with no error,
 # and a cut PNG fails as generic "invalid data" or not at all (IEND lost), so completeness is checked on
@@ -195,6 +195,27 @@ def fit_square(img: np.ndarray, size: int) -> torch.Tensor:
         # antialias=True matters when shrinking a photo: plain bilinear aliases fine texture (hair).
         x = F.interpolate(x, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
     x = (x / 127.5 - 1.0).clamp_(-1.0, 1.0)  # (1, 3, size, size)
+    return x[0].contiguous()
+
+
+def fit_image(img: np.ndarray, width: int, height: int) -> torch.Tensor:
+    """Center-crop to the target's aspect ratio, then antialiased-resize to float32 (3, height, width) in [-1, 1].
+    A square target is exactly fit_square (the official Wan code instead resizes the shorter side and
+    center-crops, which pads with black when its 64-pixel rounding widens the frame; this never pads)."""
+    if width == height:
+        return fit_square(img, width)
+    arr = np.asarray(img)
+    if arr.ndim != 3 or arr.shape[2] != 3:
+        raise ValueError(f"fit_image wants (H, W, 3), got {arr.shape}")
+    h, w, _ = arr.shape
+    ch, cw = (h, round(h * width / height)) if w * height > h * width else (round(w * height / width), w)
+    ch, cw = max(1, min(h, ch)), max(1, min(w, cw))
+    top, left = (h - ch) // 2, (w - cw) // 2
+    crop = arr[top:top + ch, left:left + cw]  # (ch, cw, 3)
+    x = torch.from_numpy(np.ascontiguousarray(crop)).permute(2, 0, 1)[None].float()  # (1, 3, ch, cw)
+    if (ch, cw) != (height, width):
+        x = F.interpolate(x, size=(height, width), mode="bilinear", antialias=True, align_corners=False)
+    x = (x / 127.5 - 1.0).clamp_(-1.0, 1.0)  # (1, 3, height, width)
     return x[0].contiguous()
 
 

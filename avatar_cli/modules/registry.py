@@ -1,11 +1,16 @@
 """Where models come from: the shipped family by name, or any model directory a user brings.
 
-A model directory is `config.json` (a FamilyConfig) plus one safetensors file per component.
+A model directory is either
+- mini's: `config.json` (a FamilyConfig) plus one safetensors file per component, or
+- a Wan2.2-S2V release (the wan-s2v family), in its official layout, recognised by its file names.
 """
 
 import json
+import math
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 from avatar_cli.errors import InputError
 from avatar_cli.families.base import Family
@@ -21,7 +26,7 @@ RANDOM_SEED = 0  # the seeded random init that stands in for a shipped model wit
 @dataclass(frozen=True)
 class ModelSource:
     name: str
-    config: FamilyConfig
+    config: Any  # the family's own description: mini's FamilyConfig, wan-s2v's WanS2VConfig
     path: Path | None  # None: no weights on disk, a seeded random init stands in
 
     @property
@@ -33,9 +38,27 @@ class ModelSource:
         return str(self.path) if self.path else f"built in (random init, seed {RANDOM_SEED}; no weights shipped yet)"
 
     @property
+    def family_name(self) -> str:
+        return "mini" if isinstance(self.config, FamilyConfig) else self.config_family.name
+
+    @cached_property
+    def config_family(self) -> Family:
+        from avatar_cli.families.wan_s2v.family import WanS2VFamily
+
+        return WanS2VFamily(self.config)
+
+    @cached_property
     def family(self) -> Family:
-        """The family that knows these models (the only one shipped today: mini)."""
-        return MiniFamily(self.config)
+        """The family that knows these models (one object per source: it may cache its tokenizer)."""
+        return MiniFamily(self.config) if isinstance(self.config, FamilyConfig) else self.config_family
+
+    def weight_files(self) -> list[Path]:
+        """The files a render reads weights from (the resume fingerprint hashes their size, mtime, header)."""
+        if self.path is None:
+            return []
+        if isinstance(self.config, FamilyConfig):
+            return [self.path / filename for filename, _ in COMPONENTS.values()]
+        return self.config.weight_files()
 
     @property
     def fingerprint(self) -> str:
@@ -55,7 +78,8 @@ def read_config(directory: Path) -> FamilyConfig:
 
 
 def resolve_model(model: str, base_dir: Path) -> ModelSource:
-    """A shipped name, else a directory (relative paths resolve against the job file's folder)."""
+    """A shipped name, else a directory (relative paths resolve against the job file's folder): a Wan2.2-S2V
+    release when its files say so, else mini's format."""
     if model in SHIPPED:
         directory = WEIGHTS_DIR / model
         if (directory / "config.json").is_file():
@@ -65,18 +89,42 @@ def resolve_model(model: str, base_dir: Path) -> ModelSource:
     if not directory.is_dir():
         names = ", ".join(sorted(SHIPPED))
         raise InputError(f"model: '{model}' is neither a shipped model ({names}) nor a directory ({directory})")
+    from avatar_cli.families.wan_s2v import model_dir as wan
+
+    if wan.looks_like(directory):
+        return ModelSource(str(directory), wan.read_config(directory), directory)
     return ModelSource(str(directory), read_config(directory), directory)
+
+
+def family_defaults(model: str, base_dir: Path) -> tuple[str, dict[str, Any]] | None:
+    """(family name, its job defaults) for the job spec, or None: mini (whose defaults are configs/default.yaml)
+    or a model that does not resolve (prepare() reports that)."""
+    try:
+        source = resolve_model(model, base_dir)
+    except InputError:
+        return None
+    values = source.family.job_defaults()
+    return (source.family.name, values) if values else None
 
 
 def check_model(source: ModelSource) -> None:
     """Strict name/shape check of every checkpoint against the config, reading headers only."""
     if source.path is None:
         return
+    if not isinstance(source.config, FamilyConfig):
+        from avatar_cli.families.wan_s2v import model_dir as wan
+
+        wan.check_or_fail(source.config)
+        return
     for comp, (filename, cls) in COMPONENTS.items():
         check_checkpoint(source.path / filename, build_meta(cls, getattr(source.config, comp)))
 
 
 def load_modules(source: ModelSource) -> dict[str, Module]:
+    if not isinstance(source.config, FamilyConfig):
+        from avatar_cli.families.wan_s2v import model_dir as wan
+
+        return wan.load_components(source.config)
     modules = {}
     for i, (comp, (filename, cls)) in enumerate(COMPONENTS.items()):
         params = getattr(source.config, comp)
@@ -87,8 +135,23 @@ def load_modules(source: ModelSource) -> dict[str, Module]:
     return modules
 
 
+FAMILIES = ("mini", "wan-s2v")
+
+
+def init_family_dir(directory: Path, size: str, seed: int = 0, family: str = "mini") -> ModelSource:
+    """Write a randomly initialised model directory in the family's real format (`avatar models init`)."""
+    if family not in FAMILIES:
+        raise InputError(f"unknown family '{family}' (choose from {', '.join(FAMILIES)})")
+    if family == "wan-s2v":
+        from avatar_cli.families.wan_s2v import model_dir as wan
+
+        return ModelSource(str(directory), wan.init_dir(directory, size, seed), directory)
+    init_model_dir(directory, size, seed)
+    return ModelSource(str(directory), SIZES[size], directory)
+
+
 def init_model_dir(directory: Path, size: str, seed: int = 0) -> dict[str, Module]:
-    """Write a randomly initialised model directory in the real format."""
+    """Write a randomly initialised mini model directory in the real format."""
     if size not in SIZES:
         raise InputError(f"unknown size '{size}' (choose from {', '.join(SIZES)})")
     if directory.exists() and any(directory.iterdir()):
@@ -103,6 +166,13 @@ def init_model_dir(directory: Path, size: str, seed: int = 0) -> dict[str, Modul
     return modules
 
 
-def param_count(cfg: FamilyConfig) -> int:
-    return sum(sum(p.numel() for p in build_meta(cls, getattr(cfg, comp)).parameters())
-               for comp, (_, cls) in COMPONENTS.items())
+def param_count(source: ModelSource) -> int:
+    """Parameters of every component, counted on the meta device (nothing is read or allocated)."""
+    if isinstance(source.config, FamilyConfig):
+        cfg = source.config
+        return sum(sum(p.numel() for p in build_meta(cls, getattr(cfg, comp)).parameters())
+                   for comp, (_, cls) in COMPONENTS.items())
+    from avatar_cli.modules.tensor_files import read_header
+
+    return sum(info.numel for comp in source.config.files.values() if comp.weights is not None
+               for info in read_header(comp.weights).values())

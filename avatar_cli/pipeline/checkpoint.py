@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 from avatar_cli.modules.module import save_safetensors
 from avatar_cli.families.base import RollingState
 
-VERSION = 1
+VERSION = 2  # 2: held stretches saved as [start, end) spans (a latent may make several frames)
 RING = 8  # resume points kept; covers the encoder queue plus the open fragment several times over
 
 
@@ -36,7 +36,7 @@ class ResumePoint:
     next_chunk: int  # index in the schedule of the first chunk still to run
     published: int  # frames handed to the encoder before that chunk
     state_file: str
-    held_starts: list[int]
+    held: list[list[int]]  # [start, end) frames of each held stretch
     digests: int  # how many published stretches (counted from the start of the video) this point covers
 
 
@@ -118,7 +118,7 @@ def _atomic_write(path: Path, data: bytes) -> None:
 
 def state_tensors(state: RollingState) -> dict[str, torch.Tensor]:
     """Everything a resume needs: the held stretches and the family's own tensors (by their names)."""
-    tensors = {f"held{i}": z for i, (_, z) in enumerate(state.held)}
+    tensors = {f"held{i}": z for i, (_, _, z) in enumerate(state.held)}
     for name, value in state.tensors.items():
         if value is not None:
             tensors[name] = value
@@ -146,7 +146,7 @@ class CheckpointWriter:
             code = errno.ENOSPC if "No space left" in str(e) else errno.EIO
             raise OSError(code, os.strerror(code)) from e
         os.replace(tmp, self.partial.parent / name)
-        c.points.append(ResumePoint(next_chunk, state.published, name, [s for s, _ in state.held],
+        c.points.append(ResumePoint(next_chunk, state.published, name, held_spans(state),
                                     c.published_stretches))
         dropped, c.points = c.points[:-RING], c.points[-RING:]
         c.fold(c.points[0].digests)
@@ -205,17 +205,24 @@ def load_checkpoint(partial: Path) -> Checkpoint | None:
     return Checkpoint(**d)
 
 
-def load_state(partial: Path, point: ResumePoint, device: torch.device, dtype: torch.dtype) -> RollingState:
+def held_spans(state: RollingState) -> list[list[int]]:
+    """The timeline frames [start, end) each held stretch becomes (its tensor is saved as held{i})."""
+    return [[s, e] for s, e, _ in state.held]
+
+
+def load_state(partial: Path, point: ResumePoint, device: torch.device) -> RollingState:
     tensors = load_file(str(partial.parent / point.state_file))
-    return state_from_tensors(tensors, point.held_starts, point.published, device, dtype)
+    return state_from_tensors(tensors, point.held, point.published, device)
 
 
-def state_from_tensors(t: dict[str, torch.Tensor], held_starts: list[int], published: int,
-                       device: torch.device, dtype: torch.dtype) -> RollingState:
-    held_names = {f"held{i}" for i in range(len(held_starts))}
-    held = [(start, t[f"held{i}"].to(device, dtype)) for i, start in enumerate(held_starts)]
-    own = {name: v.to(device, dtype) for name, v in t.items() if name not in held_names}
-    return RollingState(tensors=own, held=held, published=published)
+def state_from_tensors(t: dict[str, torch.Tensor], held: list[list[int]], published: int,
+                       device: torch.device) -> RollingState:
+    """Each tensor comes back in the dtype it was saved in: a family may keep some (a decoder cache, audio
+    statistics) in float32 while the models run in bf16."""
+    held_names = {f"held{i}" for i in range(len(held))}
+    spans = [(s, e, t[f"held{i}"].to(device)) for i, (s, e) in enumerate(held)]
+    own = {name: v.to(device) for name, v in t.items() if name not in held_names}
+    return RollingState(tensors=own, held=spans, published=published)
 
 
 class OutputLock:

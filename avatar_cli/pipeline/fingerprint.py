@@ -6,7 +6,6 @@ import struct
 
 from omegaconf import OmegaConf
 
-from avatar_cli.families.mini.config import COMPONENTS
 from avatar_cli.modules.registry import ModelSource
 from avatar_cli.pipeline.checkpoint import file_digest
 from avatar_cli.spec import Job
@@ -25,11 +24,10 @@ def model_digest(source: ModelSource) -> str:
     """Config plus each checkpoint's size, mtime and header: cheap even for multi-GB weights."""
     h = hashlib.sha256(source.fingerprint.encode())
     h.update(source.config.to_json().encode())
-    if source.path is not None:
-        for filename, _ in COMPONENTS.values():
-            path = source.path / filename
-            st = path.stat()
-            h.update(f"{filename}:{st.st_size}:{st.st_mtime_ns}".encode())
+    for path in source.weight_files():
+        st = path.stat()
+        h.update(f"{path.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+        if path.suffix == ".safetensors":
             with open(path, "rb") as f:
                 (n,) = struct.unpack("<Q", f.read(8))
                 h.update(f.read(min(n, 1 << 24)))

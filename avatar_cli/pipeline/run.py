@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from avatar_cli.families.base import AudioSource, Chunk, Family, RollingState, Sampling
+from avatar_cli.families.base import AudioSource, Chunk, Family, Final, RollingState, Sampling
 from avatar_cli.modules.module import Module
 from avatar_cli.runtime.device import Runtime
 from avatar_cli.runtime.placement import Placement
@@ -138,19 +138,23 @@ class Pipeline:
             # 4. Publish what no later chunk can change: refine, decode, hand to the encoder.
             final = state.take_final(chunk.publish_to)
             if final is not None:
-                after_sr = self.publish.needs if sink is not None else self.context.needs
+                # A rank that writes nothing skips the decode (its frames would be thrown away), unless the family
+                # conditions later chunks on decoded frames: then every rank decodes, and only rank 0 keeps them.
+                decodes = sink is not None or self.family.decode_feeds_back
+                after_sr = self.publish.needs if decodes else self.context.needs
                 with timer("sr"), stage(self.sr.needs, then=after_sr):
-                    z_hi = self.sr.run(final, ref)
-                hashing = HashingSink(sink)
-                if sink is None:  # a rank that writes nothing: its frames would be thrown away
-                    n = z_hi.shape[0]
+                    final = Final(final.start, final.end, self.sr.run(final.z, ref))
+                hashing = HashingSink(sink) if sink is not None else None
+                if not decodes:
+                    n = final.frames
                 else:
                     with timer("decode"), stage(self.publish.needs, then=self.context.needs):
-                        n = self.publish.run(z_hi, state, hashing, size)
+                        n = self.publish.run(final, state, hashing, size)
                 state.published += n
                 if ttff is None:
                     ttff = time.perf_counter() - t0
-                on_stretch(Stretch(i + 1, state.published - n, state.published, hashing.hash.hexdigest(), state))
+                digest = (hashing.hash if hashing is not None else hashlib.sha256()).hexdigest()
+                on_stretch(Stretch(i + 1, state.published - n, state.published, digest, state))
             on_chunk(ChunkDone(chunk, time.perf_counter() - t0, state.published))
 
         return RenderStats(frames=state.published, wall_s=time.perf_counter() - t0,

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from avatar_cli.families.base import RollingState
+from avatar_cli.families.base import Final, RollingState
 from avatar_cli.stages.base import Stage
 
 
@@ -33,12 +33,16 @@ def fit_frames(x: torch.Tensor, width: int, height: int) -> torch.Tensor:
 class DecodePublish(Stage):
     step = "decode"
 
-    def run(self, z: torch.Tensor, state: RollingState, sink: FrameSink, size: tuple[int, int]) -> int:
-        """z: consecutive final latents; the decoder's cache carries in `state`. Returns frames published."""
+    def run(self, final: Final, state: RollingState, sink: FrameSink | None, size: tuple[int, int]) -> int:
+        """final: consecutive final latents; the decoder's cache carries in `state`. Returns frames published.
+        sink None: decode for the rolling state only (a rank that writes nothing, of a family whose later chunks
+        are conditioned on decoded frames)."""
 
-        def put(x: torch.Tensor) -> None:  # x (t, 3, S, S) in [-1, 1]
+        def put(x: torch.Tensor) -> None:  # x (t, 3, h, w) in [-1, 1]
+            if sink is None:
+                return
             x = fit_frames(x.float(), *size)  # (t, 3, height, width)
             frames = ((x.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1)  # (t, H, W, 3)
             sink.put(frames.cpu().numpy())
 
-        return self.family.decode(self.models, z, state, put)
+        return self.family.decode(self.models, final, state, put)

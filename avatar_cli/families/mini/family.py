@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from avatar_cli.families.base import (AudioSource, Chunk, Family, Geometry, Models, ParallelPlan, RollingState,
-                                      Sampling)
+from avatar_cli.families.base import (AudioSource, Chunk, Family, Final, Geometry, Models, ParallelPlan,
+                                      RollingState, Sampling)
 from avatar_cli.families.mini.audio import frame_window_starts, log_mel_windows
 from avatar_cli.families.mini.config import COMPONENTS, FamilyConfig
 from avatar_cli.families.mini.parallel import SequenceParallelDiT
@@ -131,7 +131,7 @@ class MiniFamily(Family):
     def keep(self, chunk: Chunk, z: torch.Tensor, state: RollingState, chunking: Any) -> None:
         """z (L, C, h, w): hold the kept frames and update the motion/anchor latents."""
         s, e = chunk.keep
-        state.held.append((s, z[s - chunk.start:e - chunk.start]))
+        state.held.append((s, e, z[s - chunk.start:e - chunk.start]))
         if chunk.kind == "N":
             new = z[len(chunk.cond):]  # (n, C, h, w) this chunk's own frames
             a = s - (chunk.start + len(chunk.cond))  # frames the following I chunk will regenerate
@@ -144,10 +144,10 @@ class MiniFamily(Family):
         """z_lo (T, C, h, w) -> z_hi (T, C, 2h, 2w): one step of latent super-resolution, reference in view."""
         return models["sr"](z.contiguous(memory_format=torch.channels_last), ref["ref_hi"])
 
-    def decode(self, models: Models, z: torch.Tensor, state: RollingState,
+    def decode(self, models: Models, final: Final, state: RollingState,
                put: Callable[[torch.Tensor], None]) -> int:
-        """z (T, C, H/f, W/f) consecutive final latents; the decoder's causal cache is the last latent decoded."""
-        vae = models["vae"]
+        """final.z (T, C, H/f, W/f): one latent per frame; the decoder's causal cache is the last latent decoded."""
+        vae, z = models["vae"], final.z
         cache = state.tensors.get("decode_cache")
         for i in range(0, z.shape[0], self.decode_batch):
             zb = z[i:i + self.decode_batch].contiguous(memory_format=torch.channels_last)
