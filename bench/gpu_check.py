@@ -20,8 +20,9 @@ memory and its own time budget):
      tokens/s and FLOP/s (FLOPs counted by FlopCounterMode on meta, bench/wan_budget.py, with the meta
      prediction of its activation peak); the handoff, GPU idle time from the end of the clip's last Euler step
      to the first kernel of the VAE decode of its 20 latents (kineto between two marker kernels); the decode
-     (continuing the timeline, 20 latents -> 80 frames) in fp32, the official dtype, and in bf16: median of 2
-     and peak memory. One JSON line per measurement ({"measure": ...}), then a summary line.
+     (continuing the timeline, 20 latents -> 80 frames) in fp32, the official dtype, and in bf16, and the fp32
+     re-encode of the 73 motion frames every clip makes: median of 2 and peak memory. One JSON line per
+     measurement ({"measure": ...}), then a summary line. bench/wan_budget.py predicts these on paper.
 
 --markdown writes the figures as a bench/results.md section (date, GPU, torch, command): paste it in.
 --smoke runs every section on the CPU at toy sizes (HostTransfer for the GPU, wall clock for CUDA
@@ -37,7 +38,7 @@ then one run, carry [".whl"], timeout_s 420:
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
     PYTHONUNBUFFERED=1 python3 bench/gpu_check.py --markdown $OUT/gpu_check.md
 The wan section alone needs nothing installed (torch only); about 2 minutes on an H200 (an estimate: 6 DiT
-forwards of ~4 s, 8 VAE decodes, ~20 s of meta counting on the CPU), run with timeout_s 300:
+forwards of ~4 s, 8 VAE decodes and 3 encodes of ~1-3 s, ~20 s of meta counting on the CPU), timeout_s 300:
     PYTHONUNBUFFERED=1 python3 bench/gpu_check.py --sections wan --budget-s 240 --markdown $OUT/gpu_check_wan.md
 """
 
@@ -416,6 +417,21 @@ def wan_measure() -> None:
                 frames_per_s=round(frames.shape[2] / (median(times) / 1e3), 1),
                 peak_above_resident_gb=round(max(peaks), 2), cache_gb=round(new_cache.nbytes() / 1e9, 2),
                 cudnn_tf32=torch.backends.cudnn.allow_tf32)
+        if dtype == torch.float32:  # every clip re-encodes its last 73 frames into the next clip's motion latents
+            n = size(73, 5)
+            video = torch.rand(1, 3, n, 8 * clip.lat_h, 8 * clip.lat_w, device=DEV) * 2 - 1  # (1, 3, T, H, W)
+            vae.encode(video)  # warm-up
+            times, peaks = [], []
+            for _ in range(size(2, 1)):
+                reset_peak()
+                base = gb_allocated()
+                e0 = mark()
+                mu = vae.encode(video)  # (1, 16, 1 + (T - 1) / 4, h, w)
+                times.append(ms_between(e0, mark()))
+                peaks.append(peak_mb() * 2**20 / 1e9 - base)
+            measure("wan vae encode fp32", frames=n, latents=int(mu.shape[2]), ms_median=round(median(times), 1),
+                    peak_above_resident_gb=round(max(peaks), 2))
+            del video, mu
     report("wan summary", f"DiT forward {median(gpu) / 1e3:.2f} s at {tokens} tokens "
                           f"({RESULTS['wan dit forward: tflops']} TFLOP/s, "
                           f"{RESULTS['wan dit forward: of_matmul_peak']:.0%} of the measured matmul peak), peak "

@@ -29,7 +29,7 @@ def test_wan_section_runs_on_the_cpu_at_tiny_size_and_reports_every_figure():
     lines = run.stdout.strip().splitlines()
     found = {m["measure"]: m for m in (json.loads(x) for x in lines if x.startswith('{"measure"'))}
     assert set(found) == {"wan matmul peak", "wan dit forward", "wan handoff dit->vae", "wan vae decode fp32",
-                          "wan vae decode bf16"}
+                          "wan vae decode bf16", "wan vae encode fp32"}
     p = WanDiTParams.tiny()
     fwd = found["wan dit forward"]
     assert (fwd["tokens"], fwd["noisy_tokens"]) == wb.seq_len(p, wb.CLIP_TINY)
@@ -44,6 +44,8 @@ def test_wan_section_runs_on_the_cpu_at_tiny_size_and_reports_every_figure():
     for name in ("fp32", "bf16"):
         dec = found[f"wan vae decode {name}"]
         assert dec["frames"] == frames and dec["latents"] == wb.CLIP_TINY.frames and dec["ms_median"] > 0
+    enc = found["wan vae encode fp32"]
+    assert (enc["frames"], enc["latents"]) == (5, 2) and enc["ms_median"] > 0  # 1 + 4k frames -> 1 + k latents
     summary = json.loads(lines[-1])  # the last line: every figure, the markdown's rows
     assert summary["wan dit forward: tokens"] == fwd["tokens"] and "DiT forward" in summary["wan summary"]
 
