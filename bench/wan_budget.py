@@ -356,6 +356,12 @@ def placement(w: dict, c: dict) -> None:
           f"({gb(w['root'])} GB) stays gathered; x {STEPS * CFG} forwards = {moved_ours * STEPS * CFG / 1e12:.2f} "
           f"TB per rank per clip. Replicated: none, and {gb(usable['80 GB'] - highs[0])} GB of an 80 GB card "
           "left over.")
+    # Our Ulysses: one all-to-all of q, k, v stacked and one back per block, each rank sending 7/8 of its rows.
+    rows_per_rank = -(-c["n"] // RANKS)
+    a2a = 4 * rows_per_rank * p.dim * 2 * (RANKS - 1) / RANKS * p.num_layers
+    print(f"Ulysses all-to-all per rank per forward: {gb(a2a)} GB sent (q, k, v and the output, 7/8 of "
+          f"{rows_per_rank:,} rows x {p.dim} bf16, x {p.num_layers} blocks); x {STEPS * CFG} = "
+          f"{a2a * STEPS * CFG / GB:.0f} GB per rank per clip, on the critical path (not overlapped)")
     ok = [r for r in range(1, RANKS + 1) if p.num_heads % r == 0]
     even = [r for r in ok if c["n"] % r == 0 and c["n0"] % r == 0]
     pad = {r: (-c["n"] % r, -c["n0"] % r) for r in ok if r not in even}
