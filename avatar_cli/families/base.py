@@ -122,6 +122,7 @@ class ParallelPlan:
     sequence_parallel: str | None = None
     sp_wrap: Callable[[nn.Module, Any], nn.Module] | None = None
     sp_heads: int = 1
+    float32: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

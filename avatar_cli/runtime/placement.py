@@ -104,22 +104,27 @@ def place(modules: Mapping[str, Module], runtime: Runtime, dist: Dist, offload: 
         transfer = CudaTransfer(runtime.device)
     if free_bytes is None and runtime.is_cuda:
         free_bytes = torch.cuda.mem_get_info(runtime.device)[0]
-    for module in modules.values():
+    plan = plan or ParallelPlan()
+    for name, module in modules.items():
         if module.is_lazy:  # on meta this costs nothing, and the sizes the offload choice reads come out right
-            module.model.to(dtype=runtime.dtype)
+            module.model.to(dtype=_dtype(name, runtime, plan))
     if dist.enabled:
-        return _place_sharded(modules, runtime, dist, offload, reshard, working_bytes, transfer, free_bytes,
-                              plan or ParallelPlan())
+        return _place_sharded(modules, runtime, dist, offload, reshard, working_bytes, transfer, free_bytes, plan)
     if transfer is None:
-        for module in modules.values():
-            module.to(runtime.device, runtime.dtype)
+        for name, module in modules.items():
+            module.to(runtime.device, _dtype(name, runtime, plan))
         return Placement()
 
     sizes = {name: model_bytes(m.model) for name, m in modules.items()}
     choice = choose_offload(offload, _known(free_bytes), sizes, working_bytes)
     placement = Placement(offload=choice)
-    _offload_replicated(modules, runtime, choice, transfer, placement)
+    _offload_replicated(modules, runtime, choice, transfer, placement, plan)
     return placement
+
+
+def _dtype(name: str, runtime: Runtime, plan: ParallelPlan) -> torch.dtype:
+    """The runtime's dtype, except for the components the family keeps in float32."""
+    return torch.float32 if name in plan.float32 else runtime.dtype
 
 
 def _place_sharded(modules: Mapping[str, Module], runtime: Runtime, dist: Dist, offload: str, reshard: str,
@@ -144,13 +149,13 @@ def _place_sharded(modules: Mapping[str, Module], runtime: Runtime, dist: Dist, 
         home = torch.device("cpu") if choice != "none" else runtime.device
         lazy = module.is_lazy
         if not lazy:
-            module.to(home, runtime.dtype)
+            module.to(home, _dtype(name, runtime, plan))
         placement.sharded[name] = parallelize_model(module.model, dist.mesh, reshard=reshard,
                                                     param_dtype=param_dtype, offload=choice != "none")
         if lazy:  # sharded on meta: each rank now reads only its own rows of every tensor
-            materialize(module.model, module.index, home, runtime.dtype)
+            materialize(module.model, module.index, home, _dtype(name, runtime, plan))
     replicated = {name: m for name, m in modules.items() if name not in SHARDED}
-    _offload_replicated(replicated, runtime, choice, transfer, placement)
+    _offload_replicated(replicated, runtime, choice, transfer, placement, plan)
     if plan.sequence_parallel is not None:
         sp = modules[plan.sequence_parallel]
         sp.model = plan.sp_wrap(sp.model, dist.group)
@@ -163,13 +168,13 @@ def _place_sharded(modules: Mapping[str, Module], runtime: Runtime, dist: Dist, 
 
 
 def _offload_replicated(modules: Mapping[str, Module], runtime: Runtime, choice: str, transfer: Transfer | None,
-                        placement: Placement) -> None:
+                        placement: Placement, plan: ParallelPlan) -> None:
     """Whole models on the device ("none"), or in host slabs that stages bring in ("model", "block")."""
     for name, module in modules.items():
         if choice == "none":
-            module.to(runtime.device, runtime.dtype)
+            module.to(runtime.device, _dtype(name, runtime, plan))
             continue
-        module.to("cpu", runtime.dtype)
+        module.to("cpu", _dtype(name, runtime, plan))
         if choice == "block" and hasattr(module.model, "blocks"):
             placement.offloaders[name] = BlockOffloader(module.model, transfer, name=name)
         else:

@@ -28,7 +28,6 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -38,6 +37,7 @@ from avatar_cli.families.wan_s2v.audio import SAMPLE_RATE, WindowedAudioFeatures
 from avatar_cli.families.wan_s2v.components import UMT5Text, Wav2Vec2Audio
 from avatar_cli.families.wan_s2v.dit import WanS2VDiT
 from avatar_cli.families.wan_s2v.model_dir import WanS2VConfig
+from avatar_cli.families.wan_s2v.parallel import SequenceParallelWanDiT
 from avatar_cli.families.wan_s2v.sampler import sample_unipc
 from avatar_cli.families.wan_s2v.text import S2V_NEGATIVE_PROMPT, load_tokenizer, tokenize
 from avatar_cli.families.wan_s2v.vae import WanVAE, WanVAECache
@@ -101,12 +101,10 @@ class WanS2VFamily(Family):
 
     @property
     def parallel(self) -> ParallelPlan:
-        try:
-            from avatar_cli.families.wan_s2v.parallel import SequenceParallelWanDiT
-        except ImportError:  # not built yet: the DiT is sharded but every rank runs the whole sequence
-            return ParallelPlan(sharded=("dit", "text"))
+        # The VAE and wav2vec2 stay float32 as in the official code (its VAE wrapper and audio encoder never
+        # leave float32); the DiT and umT5 take the runtime's dtype (bf16 on GPUs).
         return ParallelPlan(sharded=("dit", "text"), sequence_parallel="dit", sp_wrap=SequenceParallelWanDiT,
-                            sp_heads=self.config.dit.num_heads)
+                            sp_heads=self.config.dit.num_heads, float32=("vae", "audio"))
 
     def job_defaults(self) -> dict[str, Any]:
         return {"video.fps": NATIVE_FPS, "sampling.steps": 40, "sampling.guidance": 4.5, "sampling.shift": 3.0,
@@ -269,7 +267,7 @@ class WanS2VFamily(Family):
         _cache_to(state, cache)
         # The official videos_last_frames: the last 73 frames (every clip has at least 73 after its drop),
         # re-encoded from a fresh encoder cache into the next clip's 19 motion latents.
-        state.tensors["motion"] = vae.encode(tail.transpose(0, 1)[None])[0]  # (16, 19, h, w) float32
+        state.tensors["motion"] = vae.encode(tail.transpose(0, 1)[None])[0].contiguous()  # (16, 19, h, w) float32
         return made
 
 
@@ -279,6 +277,9 @@ def _cache_from(state: RollingState) -> WanVAECache | None:
 
 
 def _cache_to(state: RollingState, cache: WanVAECache) -> None:
+    """Kept contiguous (a copy where a slot is a view or channels-last): a cache restored from a checkpoint is
+    contiguous, and the convolutions pick their kernels, and so their roundings, by the input's memory layout;
+    the live cache must be laid out exactly as the restored one for a resumed render to be bit-identical."""
     for k in [k for k in state.tensors if k.startswith("vae.")]:
         del state.tensors[k]
-    state.tensors.update({f"vae.{k}": v for k, v in cache.tensors().items()})
+    state.tensors.update({f"vae.{k}": v.contiguous() for k, v in cache.tensors().items()})

@@ -16,7 +16,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from transformers import Wav2Vec2Config, Wav2Vec2FeatureExtractor, Wav2Vec2ForCTC
 
 from avatar_cli.errors import InputError
@@ -26,7 +25,8 @@ from avatar_cli.families.wan_s2v.components import UMT5Text, Wav2Vec2Audio
 from avatar_cli.families.wan_s2v.dit import WanDiTParams, WanS2VDiT
 from avatar_cli.families.wan_s2v.text import UMT5_XXL, UMT5Params, build_text_encoder
 from avatar_cli.families.wan_s2v.vae import WanVAE, WanVAEParams
-from avatar_cli.modules.module import Module, build_meta, save_safetensors
+from avatar_cli.modules.loading import TensorIndex
+from avatar_cli.modules.module import Module, build_meta, lazy_module, save_safetensors
 from avatar_cli.modules.tensor_files import CheckpointFormatError, load_pth, read_header
 
 FAMILY = "wan-s2v"
@@ -158,15 +158,10 @@ def _aligned(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def load_dit(cfg: WanS2VConfig) -> Module:
-    """Built on meta from config.json, then each shard's tensors assigned (memory-mapped safetensors)."""
+    """Lazy: built on meta from config.json with its headers checked; placement reads it onto the device, or
+    under FSDP2 each rank only its own rows (modules/loading.py), so 14B is never copied once per rank."""
     comp = cfg.files["dit"]
-    model = build_meta(WanS2VDiT, cfg.dit)
-    header = read_header(comp.weights)
-    state: dict[str, torch.Tensor] = {}
-    for shard in sorted({info.file for info in header.values()}):
-        state.update(load_file(str(shard), device="cpu"))
-    model.load_state_dict(_aligned(state), strict=True, assign=True)
-    return Module("dit", model, str(comp.weights))
+    return lazy_module("dit", WanS2VDiT, cfg.dit, TensorIndex.from_safetensors(comp.weights))
 
 
 def load_vae(cfg: WanS2VConfig) -> Module:
