@@ -13,7 +13,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from avatar_cli.errors import EXIT_INTERRUPTED, EXIT_TERMINATED, AvatarError, failure_message
+from avatar_cli.errors import EXIT_INTERRUPTED, EXIT_TERMINATED, AvatarError, InputError, failure_message
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Render talking-avatar videos of any length from a reference picture and a speech track.")
@@ -216,6 +216,33 @@ def models_init(directory: Annotated[Path, typer.Argument(help="A new (or empty)
                                "location": str(directory.resolve())})
 
     _run(action, json, debug)
+
+
+@models_app.command("check")
+def models_check(directory: Annotated[Path, typer.Argument(help="A model directory: a Wan2.2-S2V release "
+                                                            "(official or Diffusers layout) or a mini one.")],
+                 json: JsonOpt = None, debug: DebugOpt = False) -> None:
+    """Check a model directory from its headers alone (no weights are read): per component its tensors,
+    parameters, dtypes and bytes, and every missing, unexpected or mis-shaped tensor by name.
+    Exit 0 when everything fits, 2 when something does not."""
+    def action(reporter):
+        from avatar_cli.modules.registry import check_directory
+
+        report = check_directory(directory)
+        _print_check(reporter, report)
+        if not report["ok"]:
+            raise InputError(f"models check: {directory}: " + report["summary"])
+
+    _run(action, json, debug)
+
+
+def _print_check(reporter, report: dict) -> None:
+    from avatar_cli.report import JsonReporter
+
+    if isinstance(reporter, JsonReporter):
+        reporter.emit({"event": "check", **{k: v for k, v in report.items() if k != "lines"}})
+    else:
+        print("\n".join(report["lines"]))
 
 
 def _without_nproc(argv: list[str]) -> list[str]:

@@ -397,3 +397,42 @@ def test_vae_expected_from_module_matches_release():
     expected, source = expected_for("vae", OFFICIAL, None)
     assert expected is not None, source
     assert {k: s for k, (s, _) in expected.items()} == dict(key_list("vae"))
+
+
+def test_models_check_cli_on_the_sparse_14b_release(release):
+    """`avatar models check` itself (headers only): the real tensor count and parameters, in under 5 s."""
+    import subprocess
+    import sys
+
+    t0 = time.perf_counter()
+    result = subprocess.run([sys.executable, "-m", "avatar_cli", "models", "check", str(release), "--json"],
+                            capture_output=True, text=True, timeout=120)
+    elapsed = time.perf_counter() - t0  # includes starting Python and importing torch
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    dit = report["components"]["dit"]
+    assert (dit["tensors"], dit["params"], dit["checked"]) == (1260, DIT_PARAMS, True)
+    assert report["components"]["vae"]["params"] == VAE_PARAMS and report["components"]["t5"]["params"] == T5_PARAMS
+    assert report["ok"] and elapsed < 20, elapsed
+    print(f"\navatar models check on the sparse 14B directory: {elapsed:.2f} s (process start included)")
+
+
+def test_models_check_cli_names_a_mis_shaped_tensor(tmp_path):
+    import subprocess
+    import sys
+
+    from avatar_cli.modules.registry import init_family_dir
+
+    d = tmp_path / "tiny"
+    init_family_dir(d, "tiny", family="wan-s2v")
+    vae = {k: v.clone() for k, v in load_pth(d / "Wan2.1_VAE.pth").items()}  # mapped: copy before overwriting
+    vae["decoder.head.2.weight"] = torch.zeros(3, 8, 3, 3, 2)  # one kernel dimension wrong
+    del vae["conv2.bias"]
+    torch.save(vae, d / "Wan2.1_VAE.pth")
+    result = subprocess.run([sys.executable, "-m", "avatar_cli", "models", "check", str(d), "--json"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    report = json.loads(result.stdout.strip().splitlines()[0])
+    vae_report = report["components"]["vae"]
+    assert not report["ok"] and "conv2.bias" in vae_report["missing"]
+    assert [m[0] for m in vae_report["mis_shaped"]] == ["decoder.head.2.weight"]

@@ -176,3 +176,36 @@ def param_count(source: ModelSource) -> int:
 
     return sum(info.numel for comp in source.config.files.values() if comp.weights is not None
                for info in read_header(comp.weights).values())
+
+
+def check_directory(directory: Path) -> dict:
+    """`avatar models check`: a report (dict) of a model directory, from headers only."""
+    from avatar_cli.families.wan_s2v import model_dir as wan
+    from avatar_cli.modules.tensor_files import CheckpointFormatError
+
+    directory = directory.expanduser()
+    if not directory.is_dir():
+        raise InputError(f"models check: {directory}: not a directory")
+    if wan.looks_like(directory):
+        try:
+            r = wan.check_path(directory)
+        except CheckpointFormatError as e:
+            raise InputError(f"models check: {e}") from None
+        comps = {name: {"tensors": c.tensors, "params": c.params, "bytes": c.nbytes, "dtypes": c.dtypes,
+                        "checked": c.expected_from is not None, "missing": c.missing, "unexpected": c.unexpected,
+                        "mis_shaped": [[n, list(f), list(e)] for n, f, e in c.mis_shaped],
+                        "wrong_dtype": [list(x) for x in c.wrong_dtype], "problems": c.problems, "ok": c.ok}
+                 for name, c in r.components.items()}
+        bad = [name for name, c in r.components.items() if not c.ok]
+        return {"path": str(directory), "family": "wan-s2v", "layout": r.layout, "ok": r.ok,
+                "components": comps, "lines": r.lines(),
+                "summary": "ok" if r.ok else "problems in " + ", ".join(bad) + " (see the report above)"}
+    source = ModelSource(str(directory), read_config(directory), directory)
+    try:
+        check_model(source)
+        ok, problem = True, ""
+    except InputError as e:
+        ok, problem = False, str(e)
+    lines = [f"{directory} (mini)", f"params: {param_count(source):,}" if ok else problem]
+    return {"path": str(directory), "family": "mini", "layout": "mini", "ok": ok, "components": {},
+            "lines": lines + (["ok"] if ok else []), "summary": "ok" if ok else problem}

@@ -89,13 +89,16 @@ def looks_like(path: Path) -> bool:
         return False
 
 
-def _preset(header: dict, presets: dict, expected_of) -> str:
-    """The preset whose expected names and shapes equal the header's, else "unknown"."""
-    found = {k: tuple(v.shape) for k, v in header.items()}
-    for name, params in presets.items():
-        if {k: s for k, (s, _) in expected_of(params).items()} == found:
-            return name
-    return "unknown"
+def _preset(header: dict, presets: dict, expected_of, exact: bool = True) -> str:
+    """The preset whose expected names and shapes equal the header's, else "unknown"; with exact=False the one
+    sharing the most (name, shape) pairs with it (to compare a damaged file with what it was meant to be)."""
+    found = {(k, tuple(v.shape)) for k, v in header.items()}
+    score = {name: len(found & {(k, s) for k, (s, _) in expected_of(params).items()})
+             for name, params in presets.items()}
+    best = max(score, key=score.get)
+    if not exact:
+        return best
+    return best if score[best] == len(found) == len(expected_of(presets[best])) else "unknown"
 
 
 def _vae_expected(p: WanVAEParams) -> wfiles.Expected:
@@ -133,6 +136,23 @@ def read_config(path: Path) -> WanS2VConfig:
         raise InputError(f"model: {e}") from None
     return WanS2VConfig(Path(path), d.layout, dit, VAE_PRESETS.get(vae_preset, WanVAEParams.full()),
                         T5_PRESETS.get(t5_preset, UMT5_XXL), vae_preset, t5_preset)
+
+
+def check_path(path: Path) -> wfiles.DirReport:
+    """`avatar models check`: any layout, headers only. The VAE and T5 are compared with the preset their header
+    matches (the release's when none does, so every difference is named)."""
+    d = wfiles.find_layout(path)
+    expected = {}
+    if d.layout == wfiles.OFFICIAL:
+        for comp, presets, of in (("vae", VAE_PRESETS, _vae_expected), ("t5", T5_PRESETS, _t5_expected)):
+            f = d.components[comp].weights
+            if f is not None and f.is_file():
+                try:
+                    name = _preset(read_header(f), presets, of, exact=False)
+                except CheckpointFormatError:
+                    continue  # check_dir reports the unreadable file
+                expected[comp] = of(presets.get(name, presets["release"]))
+    return wfiles.check_dir(path, expected)
 
 
 def check(cfg: WanS2VConfig) -> wfiles.DirReport:
