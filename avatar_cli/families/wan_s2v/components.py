@@ -12,9 +12,14 @@ from pathlib import Path
 import torch
 from torch import nn
 from transformers import Wav2Vec2Config, Wav2Vec2FeatureExtractor, Wav2Vec2Model
+from transformers.utils import logging as hf_logging
 
 from avatar_cli.families.wan_s2v.audio import hidden_states
 from avatar_cli.families.wan_s2v.text import UMT5Params, build_text_encoder
+
+
+# transformers draws tqdm bars on stderr while loading and saving; the renderer reports its own progress.
+hf_logging.disable_progress_bar()
 
 
 class UMT5Text(nn.Module):
