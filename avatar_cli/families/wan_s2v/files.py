@@ -5,15 +5,17 @@ Layouts (fact sheet §1.1, §1.3):
   + their index json (the DiT), models_t5_umt5-xxl-enc-bf16.pth (T5 encoder, bf16), Wan2.1_VAE.pth (fp32),
   google/umt5-xxl/ (tokenizer only), wav2vec2-large-xlsr-53-english/ (HF Wav2Vec2ForCTC).
 - "diffusers" (FastVideo/Wan2.2-S2V-14B-Diffusers): model_index.json, transformer/ (the official shards and
-  index byte-identical, official tensor names), text_encoder/ (HF UMT5EncoderModel), vae/ (AutoencoderKLWan
-  names), tokenizer/, audio_encoder/ (+ audio_processor/).
+  index byte-identical, official tensor names), text_encoder/ (HF UMT5EncoderModel, possibly sharded, its tied
+  embedding stored once or twice), vae/ (AutoencoderKLWan names), tokenizer/, audio_encoder/ (+ audio_processor/
+  for the feature extractor). The vae/ and text_encoder/ config.json give their sizes where present.
 
 `check_dir` reports per component (dit, vae, t5, tokenizer, wav2vec2) the files, tensor and parameter counts,
 dtypes, bytes, and the missing, unexpected, mis-shaped and wrong-dtype tensors by name. It never reads tensor
 data: safetensors headers, and .pth files through torch.load(weights_only=True, mmap=True).
 
 Expected names and shapes come from our own modules built on the meta device (the architecture's params, plus
-config.json for the DiT), or from the caller (`expected=`) for components whose module is not wired here yet.
+config.json for the DiT), or from the caller (`expected=`): model_dir.check_path passes the VAE's and T5's,
+whose sizes it reads from config files or recognises from the headers.
 """
 
 import json
@@ -34,6 +36,10 @@ Expected = dict[str, tuple[tuple[int, ...], torch.dtype | None]]
 DIT_CLASS = "WanModel_S2V"
 DIT_INDEX = "diffusion_pytorch_model.safetensors.index.json"
 DIT_SINGLE = "diffusion_pytorch_model.safetensors"
+W2V_EXTRACTOR = "preprocessor_config.json"
+# transformers' second name for umT5's embedding, tied to `shared.weight`: save_pretrained stores it once,
+# older exports twice. Expected where a file holds it, not missing where it does not.
+TIED_T5_KEY = "encoder.embed_tokens.weight"
 
 
 @dataclass(frozen=True)
@@ -46,6 +52,7 @@ class ComponentFiles:
     config: Path | None = None
     # Each entry is a group of alternatives, one of which must exist (paths relative to root).
     required: tuple[tuple[str, ...], ...] = ()
+    config_optional: bool = False  # the sizes can also be recognised from the header (not reported missing)
 
 
 @dataclass(frozen=True)
@@ -76,14 +83,14 @@ def find_layout(path: str | Path) -> ModelDir:
         return ModelDir(p, DIFFUSERS, {
             "dit": ComponentFiles("dit", p / "transformer", _first(p / "transformer", DIT_INDEX, DIT_SINGLE),
                                   p / "transformer" / "config.json"),
-            "vae": ComponentFiles("vae", p / "vae", p / "vae" / DIT_SINGLE, p / "vae" / "config.json"),
+            "vae": ComponentFiles("vae", p / "vae", p / "vae" / DIT_SINGLE, p / "vae" / "config.json",
+                                  config_optional=True),
             "t5": ComponentFiles("t5", p / "text_encoder",
                                  _first(p / "text_encoder", "model.safetensors.index.json", "model.safetensors"),
-                                 p / "text_encoder" / "config.json"),
+                                 p / "text_encoder" / "config.json", config_optional=True),
             "tokenizer": ComponentFiles("tokenizer", p / "tokenizer", None, required=_TOKENIZER_FILES),
             "wav2vec2": ComponentFiles("wav2vec2", w, _first(w, "model.safetensors", "pytorch_model.bin"),
-                                       w / "config.json",
-                                       (("preprocessor_config.json", "../audio_processor/preprocessor_config.json"),)),
+                                       w / "config.json", ((W2V_EXTRACTOR, f"../audio_processor/{W2V_EXTRACTOR}"),)),
         })
     if (p / DIT_INDEX).is_file() or (p / DIT_SINGLE).is_file() or (p / "Wan2.1_VAE.pth").is_file():
         w = p / "wav2vec2-large-xlsr-53-english"
@@ -93,7 +100,7 @@ def find_layout(path: str | Path) -> ModelDir:
             "t5": ComponentFiles("t5", p, p / "models_t5_umt5-xxl-enc-bf16.pth"),
             "tokenizer": ComponentFiles("tokenizer", p / "google" / "umt5-xxl", None, required=_TOKENIZER_FILES),
             "wav2vec2": ComponentFiles("wav2vec2", w, _first(w, "model.safetensors", "pytorch_model.bin"),
-                                       w / "config.json", (("preprocessor_config.json",),)),
+                                       w / "config.json", ((W2V_EXTRACTOR,),)),
         })
     raise CheckpointFormatError(
         f"{p}: not a Wan2.2-S2V-14B directory: expected the official layout ({DIT_INDEX}, Wan2.1_VAE.pth, ...) "
@@ -102,6 +109,13 @@ def find_layout(path: str | Path) -> ModelDir:
 
 def expected_from_module_dict(sd: dict[str, torch.Tensor]) -> Expected:
     return {k: (tuple(v.shape), None) for k, v in sd.items()}
+
+
+def fit_tied(expected: Expected, found) -> Expected:
+    """`expected` without the tied umT5 embedding name when `found` (names) lacks it (see TIED_T5_KEY)."""
+    if TIED_T5_KEY in expected and TIED_T5_KEY not in found:
+        return {k: v for k, v in expected.items() if k != TIED_T5_KEY}
+    return expected
 
 
 def expected_from_module(module: torch.nn.Module) -> Expected:
@@ -142,11 +156,11 @@ def expected_for(component: str, layout: str, config: dict | None) -> tuple[Expe
         with torch.device("meta"):
             hf = build_text_encoder(UMT5_XXL).state_dict()
         return expected_from_module_dict(hf_to_wan(hf)), "build_text_encoder(UMT5_XXL) via adapter_t5.hf_to_wan"
-    # TODO(integrator): the Diffusers layout's vae/ (AutoencoderKLWan names) and text_encoder/ (HF
-    # UMT5EncoderModel names, the tied embedding possibly stored twice) need their rename adapters to be compared;
-    # wav2vec2 is HF's own format (weight-norm names differ across transformers versions): the audio module's
-    # business. Until then they are listed and counted, and callers may pass `expected=` to check_dir.
-    return None, "no module of ours describes these files yet"
+    # The Diffusers layout's vae/ and text_encoder/ are compared by model_dir.check_path, which passes their
+    # expected names (adapter_vae's renames; transformers' own names) with the sizes from their config.json or
+    # headers. wav2vec2 is HF's own format (weight-norm names differ across transformers versions): loading it
+    # with transformers is its check.
+    return None, "no module of ours describes these files here (model_dir.check_path passes them)"
 
 
 @dataclass
@@ -238,7 +252,8 @@ def _check_component(files: ComponentFiles, layout: str, expected: Expected | No
             config = json.loads(files.config.read_text())
             r.files.append(files.config)
         except FileNotFoundError:
-            r.problems.append(f"missing file: {files.config}")
+            if not files.config_optional:
+                r.problems.append(f"missing file: {files.config}")
         except (OSError, ValueError) as e:
             r.problems.append(f"{files.config}: unreadable JSON ({e})")
     if files.name == "dit" and config is not None and config.get("_class_name") != DIT_CLASS:
@@ -269,7 +284,7 @@ def _check_component(files: ComponentFiles, layout: str, expected: Expected | No
             return r
         r.expected_from = source if expected is not None else None
     if expected is not None:
-        compare(found, expected, r)
+        compare(found, fit_tied(expected, found), r)
     return r
 
 

@@ -1,10 +1,18 @@
 """A Wan2.2-S2V model directory as the renderer uses it: what it holds (read from headers and config files
-only), its check, its load into our modules, and `avatar models init` of a random one in the official layout.
+only), its check, its load into our modules, and `avatar models init` of a random one.
 
-The DiT is built from the directory's own config.json (never from code defaults). The two `.pth` files carry
-no config: the VAE and T5 sizes are the presets whose names and shapes the file's header matches (the
-release's, or the tiny ones `models init --size tiny` writes); a header that matches none is checked
-against the release's and every difference named.
+Both released layouts render (files.py says where each component lives):
+- official (Wan-AI/Wan2.2-S2V-14B): the VAE and T5 are `.pth` files in the official names;
+- Diffusers (FastVideo/Wan2.2-S2V-14B-Diffusers): transformer/ holds the official DiT shards unchanged, vae/ an
+  AutoencoderKLWan safetensors (renamed by adapter_vae), text_encoder/ a transformers UMT5EncoderModel
+  (its own names: loaded into UMT5Text directly), tokenizer/, and audio_encoder/ (wav2vec2; its feature
+  extractor in audio_processor/ when audio_encoder/ has none).
+
+The DiT is built from the directory's own config.json (never from code defaults). The Diffusers vae/ and
+text_encoder/ config.json give those sizes too. The official `.pth` files carry no config: there the VAE and T5
+sizes are the presets whose names and shapes the file's header matches (the release's, or the tiny ones
+`models init --size tiny` writes), and so in the Diffusers layout when a config.json is absent; a header that
+matches none is checked against the release's and every difference named.
 
 Pickles: the `.pth` files are read only through `torch.load(weights_only=True, mmap=True)`
 (`modules.tensor_files.load_pth`), which refuses anything but a flat dict of tensors, with exit 2.
@@ -12,13 +20,16 @@ Pickles: the `.pth` files are read only through `torch.load(weights_only=True, m
 
 import json
 import shutil
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from transformers import Wav2Vec2Config, Wav2Vec2FeatureExtractor, Wav2Vec2ForCTC
+from safetensors.torch import load_file
+from transformers import UMT5Config, Wav2Vec2Config, Wav2Vec2FeatureExtractor, Wav2Vec2ForCTC
 
 from avatar_cli.errors import InputError
+from avatar_cli.families.wan_s2v import adapter_vae
 from avatar_cli.families.wan_s2v import files as wfiles
 from avatar_cli.families.wan_s2v.adapter_t5 import hf_to_wan, load_into
 from avatar_cli.families.wan_s2v.components import UMT5Text, Wav2Vec2Audio
@@ -52,7 +63,9 @@ class WanS2VConfig:
     dit: WanDiTParams
     vae: WanVAEParams
     t5: UMT5Params
-    vae_preset: str  # "release", "tiny" or "unknown" (then checked against the release's)
+    # "release" or "tiny"; "unknown" (a header matching no preset: checked against the release's); "config.json"
+    # (Diffusers layout: sizes from the component's config.json that equal no preset)
+    vae_preset: str
     t5_preset: str
 
     @property
@@ -93,26 +106,77 @@ def _preset(header: dict, presets: dict, expected_of, exact: bool = True) -> str
     """The preset whose expected names and shapes equal the header's, else "unknown"; with exact=False the one
     sharing the most (name, shape) pairs with it (to compare a damaged file with what it was meant to be)."""
     found = {(k, tuple(v.shape)) for k, v in header.items()}
-    score = {name: len(found & {(k, s) for k, (s, _) in expected_of(params).items()})
-             for name, params in presets.items()}
+    expected = {name: wfiles.fit_tied(expected_of(params), header) for name, params in presets.items()}
+    score = {name: len(found & {(k, s) for k, (s, _) in exp.items()}) for name, exp in expected.items()}
     best = max(score, key=score.get)
     if not exact:
         return best
-    return best if score[best] == len(found) == len(expected_of(presets[best])) else "unknown"
+    return best if score[best] == len(found) == len(expected[best]) else "unknown"
 
 
-def _vae_expected(p: WanVAEParams) -> wfiles.Expected:
+def _vae_expected(p: WanVAEParams, layout: str = wfiles.OFFICIAL) -> wfiles.Expected:
+    """Names and shapes of the VAE file: our module's (= the official names), or AutoencoderKLWan's."""
     with torch.device("meta"):
-        return wfiles.expected_from_module(WanVAE(p))
+        sd = WanVAE(p).state_dict()
+    if layout == wfiles.DIFFUSERS:
+        sd = adapter_vae.official_to_diffusers(sd, p.num_res_blocks)
+    return wfiles.expected_from_module_dict(sd)
 
 
-def _t5_expected(p: UMT5Params) -> wfiles.Expected:
+def _t5_expected(p: UMT5Params, layout: str = wfiles.OFFICIAL) -> wfiles.Expected:
+    """Names and shapes of the T5 file: the official names, or transformers' own (Diffusers text_encoder/; its
+    tied embedding listed, which files.fit_tied drops where a file stores it once)."""
     with torch.device("meta"):
-        return wfiles.expected_from_module_dict(hf_to_wan(build_text_encoder(p).state_dict()))
+        sd = build_text_encoder(p).state_dict()
+    return wfiles.expected_from_module_dict(sd if layout == wfiles.DIFFUSERS else hf_to_wan(sd))
+
+
+_PRESETS = {"vae": VAE_PRESETS, "t5": T5_PRESETS}
+_EXPECTED = {"vae": _vae_expected, "t5": _t5_expected}
+
+
+def umt5_params(config: Mapping) -> UMT5Params:
+    """UMT5Params from a transformers UMT5 config.json (the Diffusers text_encoder/), read as transformers reads
+    it (its defaults for absent fields). ValueError naming a field our encoder does not implement."""
+    model_type = config.get("model_type", "umt5")
+    if model_type != "umt5":  # T5 shares one position table over all layers; umT5 has one per layer
+        raise ValueError(f"model_type is {model_type!r}, not 'umt5'")
+    c = UMT5Config.from_dict(dict(config))
+    if c.feed_forward_proj != "gated-gelu":
+        raise ValueError(f"feed_forward_proj is {c.feed_forward_proj!r}, not 'gated-gelu' (umT5-XXL's)")
+    if c.d_kv * c.num_heads != c.d_model:
+        raise ValueError(f"d_kv {c.d_kv} x num_heads {c.num_heads} != d_model {c.d_model} (umT5-XXL's heads span "
+                         "the model width)")
+    return UMT5Params(vocab_size=c.vocab_size, dim=c.d_model, ffn_dim=c.d_ff, num_heads=c.num_heads,
+                      num_layers=c.num_layers, num_buckets=c.relative_attention_num_buckets,
+                      max_distance=c.relative_attention_max_distance, eps=c.layer_norm_epsilon)
+
+
+def _config_params(d: wfiles.ModelDir, comp: str) -> WanVAEParams | UMT5Params | None:
+    """The sizes a Diffusers vae/ or text_encoder/ config.json gives; None when there is none (the official
+    layout's .pth files have none). InputError naming the file and what it refuses."""
+    path = d.components[comp].config
+    if d.layout != wfiles.DIFFUSERS or path is None or not path.is_file():
+        return None
+    try:
+        config = json.loads(path.read_text())
+        if not isinstance(config, dict):
+            raise ValueError("not a JSON object")
+        return adapter_vae.params_from_config(config) if comp == "vae" else umt5_params(config)
+    except (OSError, ValueError, TypeError) as e:
+        raise InputError(f"model: {path}: {e}") from None
+
+
+def _header_sizes(d: wfiles.ModelDir, comp: str, exact: bool = True) -> tuple[WanVAEParams | UMT5Params, str]:
+    """(sizes, preset name) from the weights' header alone (the release's sizes when it matches no preset)."""
+    presets = _PRESETS[comp]
+    header = read_header(d.components[comp].weights)
+    name = _preset(header, presets, lambda p: _EXPECTED[comp](p, d.layout), exact)
+    return presets.get(name, presets["release"]), name
 
 
 def read_config(path: Path) -> WanS2VConfig:
-    """The directory's layout and sizes, from config.json and the headers of the VAE and T5 files."""
+    """The directory's layout and sizes, from the config.json files and the headers of the VAE and T5 files."""
     try:
         d = wfiles.find_layout(path)
         cfg_path = d.components["dit"].config
@@ -122,42 +186,51 @@ def read_config(path: Path) -> WanS2VConfig:
             dit = WanDiTParams.from_config(json.loads(cfg_path.read_text()))
         except (ValueError, TypeError) as e:
             raise InputError(f"model: {cfg_path}: {e}") from None
-        if d.layout != wfiles.OFFICIAL:
-            raise InputError(f"model: {path}: the Diffusers layout is recognised (avatar models check reads it) but "
-                             "not rendered yet: its vae/ and text_encoder/ need their own key adapters; use the "
-                             "official layout (Wan-AI/Wan2.2-S2V-14B)")
-        vae_file, t5_file = d.components["vae"].weights, d.components["t5"].weights
-        for f in (vae_file, t5_file):
+        sizes = {}
+        for comp in ("vae", "t5"):
+            f = d.components[comp].weights
             if not f.is_file():
-                raise InputError(f"model: {path}: missing {f.name}")
-        vae_preset = _preset(read_header(vae_file), VAE_PRESETS, _vae_expected)
-        t5_preset = _preset(read_header(t5_file), T5_PRESETS, _t5_expected)
+                raise InputError(f"model: {path}: missing {f.relative_to(d.path)}")
+            params = _config_params(d, comp)
+            if params is None:
+                sizes[comp] = _header_sizes(d, comp)
+            else:
+                sizes[comp] = params, next((n for n, p in _PRESETS[comp].items() if p == params), "config.json")
     except CheckpointFormatError as e:
         raise InputError(f"model: {e}") from None
-    return WanS2VConfig(Path(path), d.layout, dit, VAE_PRESETS.get(vae_preset, WanVAEParams.full()),
-                        T5_PRESETS.get(t5_preset, UMT5_XXL), vae_preset, t5_preset)
+    (vae, vae_preset), (t5, t5_preset) = sizes["vae"], sizes["t5"]
+    return WanS2VConfig(Path(path), d.layout, dit, vae, t5, vae_preset, t5_preset)
 
 
 def check_path(path: Path) -> wfiles.DirReport:
-    """`avatar models check`: any layout, headers only. The VAE and T5 are compared with the preset their header
-    matches (the release's when none does, so every difference is named)."""
+    """`avatar models check`: any layout, headers only. The VAE and T5 are compared, in the layout's own names,
+    with the sizes their config.json gives (Diffusers layout), else with the preset their header matches (the
+    release's when none does, so every difference is named)."""
     d = wfiles.find_layout(path)
-    expected = {}
-    if d.layout == wfiles.OFFICIAL:
-        for comp, presets, of in (("vae", VAE_PRESETS, _vae_expected), ("t5", T5_PRESETS, _t5_expected)):
-            f = d.components[comp].weights
-            if f is not None and f.is_file():
-                try:
-                    name = _preset(read_header(f), presets, of, exact=False)
-                except CheckpointFormatError:
-                    continue  # check_dir reports the unreadable file
-                expected[comp] = of(presets.get(name, presets["release"]))
-    return wfiles.check_dir(path, expected)
+    expected, problems = {}, {}
+    for comp in ("vae", "t5"):
+        f = d.components[comp].weights
+        if f is None or not f.is_file():
+            continue  # check_dir reports the missing file
+        try:
+            params = _config_params(d, comp)
+        except InputError as e:  # reported; the header is then compared with its closest preset
+            problems[comp], params = str(e).removeprefix("model: "), None
+        try:
+            if params is None:
+                params = _header_sizes(d, comp, exact=False)[0]
+        except CheckpointFormatError:
+            continue  # check_dir reports the unreadable file
+        expected[comp] = _EXPECTED[comp](params, d.layout)
+    report = wfiles.check_dir(path, expected)
+    for comp, problem in problems.items():
+        report.components[comp].problems.append(problem)
+    return report
 
 
 def check(cfg: WanS2VConfig) -> wfiles.DirReport:
     """Headers only: every component's names, shapes (and the DiT's config) against our modules."""
-    expected = {"vae": _vae_expected(cfg.vae), "t5": _t5_expected(cfg.t5)}
+    expected = {"vae": _vae_expected(cfg.vae, cfg.layout), "t5": _t5_expected(cfg.t5, cfg.layout)}
     return wfiles.check_dir(cfg.path, expected)
 
 
@@ -184,10 +257,26 @@ def load_dit(cfg: WanS2VConfig) -> Module:
     return lazy_module("dit", WanS2VDiT, cfg.dit, TensorIndex.from_safetensors(comp.weights))
 
 
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a .safetensors file, or of the shards behind an HF index (read_header first refuses an
+    index and shards that disagree)."""
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted({info.file for info in read_header(path).values()}):
+        out.update(load_file(str(f), device="cpu"))
+    return out
+
+
 def load_vae(cfg: WanS2VConfig) -> Module:
     path = cfg.files["vae"].weights
     model = build_meta(WanVAE, cfg.vae)
-    model.load_state_dict(_aligned(load_pth(path)), strict=True, assign=True)
+    if cfg.layout == wfiles.DIFFUSERS:
+        try:
+            sd = adapter_vae.diffusers_to_official(_read_safetensors(path), cfg.vae.num_res_blocks)
+        except KeyError as e:
+            raise InputError(f"model: {path}: {e.args[0]}") from None
+    else:
+        sd = load_pth(path)
+    model.load_state_dict(_aligned(sd), strict=True, assign=True)
     return Module("vae", model, str(path))
 
 
@@ -196,16 +285,36 @@ def load_text(cfg: WanS2VConfig) -> Module:
     with torch.device("meta"):
         text = UMT5Text(cfg.t5)
     try:
-        load_into(text.model, _aligned(load_pth(path)))
+        # Diffusers text_encoder/ holds transformers' own names: read back to the official ones load_into takes
+        # (its tied embedding, stored once or twice, becomes the one token_embedding).
+        sd = hf_to_wan(_read_safetensors(path)) if cfg.layout == wfiles.DIFFUSERS else load_pth(path)
+        load_into(text.model, _aligned(sd))
+    except KeyError as e:
+        raise InputError(f"model: {path}: {e.args[0]}") from None
     except ValueError as e:
         raise InputError(f"model: {path}: {e}") from None
     return Module("text", text.eval(), str(path))
 
 
+def _wav2vec2_split(folder: Path, extractor_folder: Path) -> Wav2Vec2Audio:
+    """wav2vec2 whose feature extractor lives in another folder (the Diffusers audio_processor/): the CTC model's
+    encoder as load_wav2vec2 takes it, wrapped without building a second random encoder (meta)."""
+    ctc = Wav2Vec2ForCTC.from_pretrained(str(folder), local_files_only=True)
+    extractor = Wav2Vec2FeatureExtractor.from_pretrained(str(extractor_folder), local_files_only=True)
+    with torch.device("meta"):
+        audio = Wav2Vec2Audio(ctc.config, extractor)
+    audio.model = ctc.wav2vec2.eval().requires_grad_(False)
+    return audio
+
+
 def load_audio(cfg: WanS2VConfig) -> Module:
     folder = cfg.files["wav2vec2"].root
+    processor = folder.parent / "audio_processor"
     try:
-        audio = Wav2Vec2Audio.from_folder(folder)
+        if cfg.layout == wfiles.DIFFUSERS and not (folder / wfiles.W2V_EXTRACTOR).is_file():
+            audio = _wav2vec2_split(folder, processor)
+        else:
+            audio = Wav2Vec2Audio.from_folder(folder)
     except (OSError, ValueError) as e:
         raise InputError(f"model: {folder}: cannot load wav2vec2 ({str(e).splitlines()[0]})") from None
     if audio.dim != cfg.dit.audio_dim:
@@ -239,9 +348,17 @@ def _w2v_config(dim: int) -> Wav2Vec2Config:
                           feat_extract_norm="layer", vocab_size=33, architectures=["Wav2Vec2ForCTC"])
 
 
-def init_dir(directory: Path, size: str = "tiny", seed: int = 0) -> WanS2VConfig:
-    """Write a random wan-s2v model directory in the official layout (DiT shards + index + config.json, the
-    two .pth files as plain tensor dicts, the tokenizer folder, the wav2vec2 folder)."""
+LAYOUTS = (wfiles.OFFICIAL, wfiles.DIFFUSERS)
+PIPELINE_CLASS = "WanSpeechToVideoPipeline"  # what the Diffusers repacks' model_index.json declares
+
+
+def init_dir(directory: Path, size: str = "tiny", seed: int = 0, layout: str = wfiles.OFFICIAL) -> WanS2VConfig:
+    """Write a random wan-s2v model directory in either released layout: "official" (DiT shards + index +
+    config.json, the two .pth files as plain tensor dicts, google/umt5-xxl/, the wav2vec2 folder) or "diffusers"
+    (model_index.json, transformer/, vae/, text_encoder/, tokenizer/, audio_encoder/, audio_processor/). The same
+    seed gives the same weights in both."""
+    if layout not in LAYOUTS:
+        raise InputError(f"models init: layout '{layout}' of wan-s2v: choose from {', '.join(LAYOUTS)}")
     if size != "tiny":
         raise InputError(f"models init: size '{size}' of wan-s2v: only 'tiny' is written (the release's 16 B "
                          "random weights would take 33 GB; `bench/load_memory.py` writes large synthetic ones)")
@@ -252,7 +369,7 @@ def init_dir(directory: Path, size: str = "tiny", seed: int = 0) -> WanS2VConfig
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     try:
-        _write_tiny(work, seed)
+        _write_tiny(work, seed, layout)
         if directory.exists():
             directory.rmdir()  # empty (checked above)
         work.rename(directory)
@@ -262,41 +379,72 @@ def init_dir(directory: Path, size: str = "tiny", seed: int = 0) -> WanS2VConfig
     return read_config(directory)
 
 
-def _write_tiny(directory: Path, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    dit_p, vae_p, t5_p = tiny_dit(), VAE_PRESETS["tiny"], T5_TINY
-
-    dit = WanS2VDiT(dit_p)
-    _randomise(dit, gen)
-    state = {k: v.contiguous() for k, v in dit.state_dict().items()}
+def _write_dit(folder: Path, dit_p: WanDiTParams, state: dict[str, torch.Tensor]) -> None:
+    """Two shards + index + config.json, as the release's (the Diffusers transformer/ holds the same files)."""
+    folder.mkdir(exist_ok=True)
     names = sorted(state)
     half = len(names) // 2
     shards = {f"diffusion_pytorch_model-0000{i + 1}-of-00002.safetensors": part
               for i, part in enumerate((names[:half], names[half:]))}
     weight_map = {}
     for fname, keys in shards.items():
-        save_safetensors({k: state[k] for k in keys}, directory / fname)
+        save_safetensors({k: state[k] for k in keys}, folder / fname)
         weight_map.update({k: fname for k in keys})
     total = sum(v.numel() * v.element_size() for v in state.values())
-    (directory / wfiles.DIT_INDEX).write_text(json.dumps({"metadata": {"total_size": total},
-                                                         "weight_map": weight_map}, indent=2) + "\n")
+    (folder / wfiles.DIT_INDEX).write_text(json.dumps({"metadata": {"total_size": total},
+                                                      "weight_map": weight_map}, indent=2) + "\n")
     config = {"_class_name": wfiles.DIT_CLASS, "model_type": "s2v", "enable_motioner": False,
               **{k: list(v) if isinstance(v, tuple) else v for k, v in asdict(dit_p).items()}}
-    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _write_tiny(directory: Path, seed: int, layout: str = wfiles.OFFICIAL) -> None:
+    diffusers = layout == wfiles.DIFFUSERS
+    gen = torch.Generator().manual_seed(seed)
+    dit_p, vae_p, t5_p = tiny_dit(), VAE_PRESETS["tiny"], T5_TINY
+
+    # Every component is randomised in the same order from one generator whatever the layout, so both layouts
+    # of one seed hold the same weights.
+    dit = WanS2VDiT(dit_p)
+    _randomise(dit, gen)
+    _write_dit(directory / "transformer" if diffusers else directory, dit_p,
+               {k: v.contiguous() for k, v in dit.state_dict().items()})
 
     vae = WanVAE(vae_p)
     _randomise(vae, gen)
-    torch.save({k: v.contiguous() for k, v in vae.state_dict().items()}, directory / "Wan2.1_VAE.pth")
+    vae_state = {k: v.contiguous() for k, v in vae.state_dict().items()}
+    if diffusers:
+        (directory / "vae").mkdir()
+        save_safetensors(adapter_vae.official_to_diffusers(vae_state, vae_p.num_res_blocks),
+                         directory / "vae" / wfiles.DIT_SINGLE)
+        (directory / "vae" / "config.json").write_text(json.dumps(adapter_vae.diffusers_config(vae_p), indent=2)
+                                                       + "\n")
+    else:
+        torch.save(vae_state, directory / "Wan2.1_VAE.pth")
+
     text = build_text_encoder(t5_p)
     _randomise(text, gen)
-    torch.save({k: v.contiguous() for k, v in hf_to_wan(text.state_dict()).items()},
-               directory / "models_t5_umt5-xxl-enc-bf16.pth")
-    shutil.copytree(TINY_TOKENIZER, directory / "google" / "umt5-xxl")
+    if diffusers:
+        # transformers' own writer, sharded as the release's text_encoder/ is (the tied embedding stored once).
+        text.save_pretrained(str(directory / "text_encoder"), max_shard_size="40KB")
+        shutil.copytree(TINY_TOKENIZER, directory / "tokenizer")
+    else:
+        torch.save({k: v.contiguous() for k, v in hf_to_wan(text.state_dict()).items()},
+                   directory / "models_t5_umt5-xxl-enc-bf16.pth")
+        shutil.copytree(TINY_TOKENIZER, directory / "google" / "umt5-xxl")
 
-    w2v_dir = directory / "wav2vec2-large-xlsr-53-english"
+    w2v_dir = directory / ("audio_encoder" if diffusers else "wav2vec2-large-xlsr-53-english")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         ctc = Wav2Vec2ForCTC(_w2v_config(dit_p.audio_dim)).eval()
     ctc.save_pretrained(str(w2v_dir), safe_serialization=True)
+    # Diffusers: the extractor only in audio_processor/ (the case where audio_encoder/ lacks its own).
     Wav2Vec2FeatureExtractor(feature_size=1, sampling_rate=16000, padding_value=0.0, do_normalize=True,
-                             return_attention_mask=True).save_pretrained(str(w2v_dir))
+                             return_attention_mask=True).save_pretrained(
+        str(directory / "audio_processor" if diffusers else w2v_dir))
+    if diffusers:
+        index = {"_class_name": PIPELINE_CLASS, "transformer": ["diffusers", wfiles.DIT_CLASS],
+                 "vae": ["diffusers", adapter_vae.DIFFUSERS_CLASS], "text_encoder": ["transformers", "UMT5EncoderModel"],
+                 "tokenizer": ["transformers", "T5TokenizerFast"], "audio_encoder": ["transformers", "Wav2Vec2ForCTC"],
+                 "audio_processor": ["transformers", "Wav2Vec2Processor"]}
+        (directory / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
