@@ -108,6 +108,10 @@ def prepare(job: Job, force: bool = False) -> Prepared:
         raise InputError(f"audio: {job.audio}: {audio.duration_s * 1000:.1f} ms is shorter than one frame at {fps:g} fps")
     model = resolve_model(job.model, job.path.parent)
     check_model(model)
+    if job.lora is not None:  # its headers against the DiT built on meta: a wrong file is exit 2 before any load
+        from avatar_cli.modules.registry import with_lora
+
+        model = with_lora(model, job.lora, job.spec.lora_rank, job.spec.lora_scale)
     sp = job.spec.sampling
     try:  # a setting this family cannot render is a spec error, before any model loads
         model.family.check_job(job.spec.chunking, Sampling(sp.steps, sp.guidance, sp.shift))

@@ -4,6 +4,7 @@ Precedence, lowest first: schema defaults < configs/default.yaml < the job file 
 overrides < -o/--output. Unknown keys and wrong types are errors that name the key.
 """
 
+import math
 from dataclasses import dataclass, field, fields, is_dataclass
 from enum import Enum
 from pathlib import Path
@@ -97,6 +98,12 @@ class JobSpec:
     prompt: str = ""
     seed: int = 0
     model: str = "mini"
+    # A LoRA merged into the model's DiT once at load (wan-s2v: LiveAvatar's liveavatar.safetensors), a path
+    # relative to the job file like `model`; its factors must have rank lora_rank; W <- W + lora_scale · B @ A
+    # (None: LiveAvatar's alpha 64 / rank 128 = 0.5; the file carries no alpha, so another rank must set it).
+    lora: Optional[str] = None
+    lora_rank: int = 128
+    lora_scale: Optional[float] = None
     video: VideoSpec = field(default_factory=VideoSpec)
     sampling: SamplingSpec = field(default_factory=SamplingSpec)
     chunking: ChunkingSpec = field(default_factory=ChunkingSpec)
@@ -113,6 +120,7 @@ class Job:
     audio: Path
     output: Path
     model: str  # a shipped name, or an absolute directory
+    lora: Path | None = None  # the LoRA file, absolute
 
     @property
     def partial_output(self) -> Path:
@@ -218,7 +226,8 @@ def load_job(job_path: str | Path, overrides: list[str] | None = None, output: s
     if spec.model not in _shipped_names():
         model = str(resolve("model", spec.model))
     return Job(spec=spec, path=path.resolve(), reference=resolve("reference", spec.reference),
-               audio=resolve("audio", spec.audio), output=resolve("output", spec.output), model=model)
+               audio=resolve("audio", spec.audio), output=resolve("output", spec.output), model=model,
+               lora=resolve("lora", spec.lora) if spec.lora is not None else None)
 
 
 def _family_defaults(model: str, base: Path) -> tuple[str, dict] | None:
@@ -259,6 +268,9 @@ def validate(s: JobSpec) -> None:
         (sm.guidance >= 0, "sampling.guidance must not be negative"),
         (sm.shift > 0, "sampling.shift must be positive"),
         (s.runtime.threads >= 0, "runtime.threads must not be negative"),
+        (s.lora is None or s.lora.strip() != "", "lora must be a LoRA file's path, or null for none"),
+        (s.lora_rank > 0, "lora_rank must be positive"),
+        (s.lora_scale is None or math.isfinite(s.lora_scale), "lora_scale must be a finite number"),
         (Path(s.output).suffix.lower() == ".mp4", "output must end in .mp4"),
     ]
     for ok, message in rules:

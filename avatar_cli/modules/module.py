@@ -31,6 +31,9 @@ class Module:
     source: str  # checkpoint path, or a note such as "random init (seed 0)"
     # Set for a lazy module: `model` waits on the meta device until `materialize` reads these files.
     index: TensorIndex | None = None
+    # Run once by placement when the weights are where they run (whole, or this rank's FSDP2 shard) and before
+    # any forward: e.g. a LoRA merged into them. Placement knows no family; the family's loader sets this.
+    after_load: Callable[[nn.Module], None] | None = None
 
     @property
     def is_lazy(self) -> bool:

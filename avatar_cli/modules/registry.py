@@ -5,6 +5,7 @@ A model directory is either
 - a Wan2.2-S2V release (the wan-s2v family), in its official layout, recognised by its file names.
 """
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ class ModelSource:
     name: str
     config: Any  # the family's own description: mini's FamilyConfig, wan-s2v's WanS2VConfig
     path: Path | None  # None: no weights on disk, a seeded random init stands in
+    # A LoRA merged into the DiT at load (wan-s2v's lora.LoraMerge: the checked file and its scale), from the job
+    lora: Any = None
 
     @property
     def trained(self) -> bool:
@@ -62,7 +65,9 @@ class ModelSource:
 
     @property
     def fingerprint(self) -> str:
-        return str(self.path) if self.path else f"{self.name}:random:{RANDOM_SEED}"
+        """Names the weights a render runs with: jobs of a batch that share it share one load."""
+        base = str(self.path) if self.path else f"{self.name}:random:{RANDOM_SEED}"
+        return base if self.lora is None else f"{base}+lora:{self.lora.path}:{self.lora.scale!r}"
 
 
 def read_config(directory: Path) -> FamilyConfig:
@@ -96,6 +101,15 @@ def resolve_model(model: str, base_dir: Path) -> ModelSource:
     return ModelSource(str(directory), read_config(directory), directory)
 
 
+def with_lora(source: ModelSource, path: Path, rank: int, scale: float | None) -> ModelSource:
+    """The source with the job's LoRA, checked against its DiT from headers only (InputError naming the problem)."""
+    if source.family_name != "wan-s2v":
+        raise InputError(f"lora: the {source.family_name} family takes no LoRA (only wan-s2v does: LiveAvatar's)")
+    from avatar_cli.families.wan_s2v.lora import checked_lora
+
+    return dataclasses.replace(source, lora=checked_lora(source.config.dit, path, rank, scale))
+
+
 def family_defaults(model: str, base_dir: Path) -> tuple[str, dict[str, Any]] | None:
     """(family name, its job defaults) for the job spec, or None: mini (whose defaults are configs/default.yaml)
     or a model that does not resolve (prepare() reports that)."""
@@ -124,7 +138,10 @@ def load_modules(source: ModelSource) -> dict[str, Module]:
     if not isinstance(source.config, FamilyConfig):
         from avatar_cli.families.wan_s2v import model_dir as wan
 
-        return wan.load_components(source.config)
+        modules = wan.load_components(source.config)
+        if source.lora is not None and "dit" in modules:
+            modules["dit"].after_load = source.lora  # placement merges it once the weights are loaded
+        return modules
     modules = {}
     for i, (comp, (filename, cls)) in enumerate(COMPONENTS.items()):
         params = getattr(source.config, comp)

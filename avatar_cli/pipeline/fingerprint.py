@@ -1,14 +1,18 @@
-"""What a resumed render must share with the interrupted one: spec, inputs and model."""
+"""What a resumed render must share with the interrupted one: spec, inputs, model and LoRA."""
 
 import hashlib
 import json
 import struct
+from dataclasses import replace
+from pathlib import Path
 
 from omegaconf import OmegaConf
 
 from avatar_cli.modules.registry import ModelSource
 from avatar_cli.pipeline.checkpoint import file_digest
 from avatar_cli.spec import Job
+
+LORA_KEYS = ("lora", "lora_rank", "lora_scale")
 
 
 def spec_digest(job: Job) -> str:
@@ -17,30 +21,63 @@ def spec_digest(job: Job) -> str:
     for key in ("reference", "audio"):
         spec[key] = str(getattr(job, key))
     spec["model"] = job.model
+    if job.lora is None:  # rank and scale mean nothing without a LoRA: such a job digests as before these keys
+        for key in LORA_KEYS:
+            spec.pop(key)
+    else:
+        spec["lora"] = str(job.lora)
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
 
 
+def _stamp(h, path: Path) -> None:
+    """A file's name, size, mtime and (safetensors) header into `h`: cheap even for multi-GB weights."""
+    st = path.stat()
+    h.update(f"{path.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    if path.suffix == ".safetensors":
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            h.update(f.read(min(n, 1 << 24)))
+
+
 def model_digest(source: ModelSource) -> str:
-    """Config plus each checkpoint's size, mtime and header: cheap even for multi-GB weights."""
+    """Config plus each checkpoint's size, mtime and header."""
     h = hashlib.sha256(source.fingerprint.encode())
     h.update(source.config.to_json().encode())
     for path in source.weight_files():
-        st = path.stat()
-        h.update(f"{path.name}:{st.st_size}:{st.st_mtime_ns}".encode())
-        if path.suffix == ".safetensors":
-            with open(path, "rb") as f:
-                (n,) = struct.unpack("<Q", f.read(8))
-                h.update(f.read(min(n, 1 << 24)))
+        _stamp(h, path)
+    return h.hexdigest()
+
+
+def lora_digest(job: Job) -> str:
+    """The LoRA file (path, size, mtime, header) and the rank and scale it is merged with."""
+    s = job.spec
+    h = hashlib.sha256(f"{job.lora}:{s.lora_rank}:{s.lora_scale!r}".encode())
+    try:
+        _stamp(h, job.lora)
+    except OSError:  # gone since: differs from any digest of the file, and prepare() says why
+        h.update(b"missing")
     return h.hexdigest()
 
 
 def job_fingerprint(job: Job, source: ModelSource) -> dict[str, str]:
-    return {"spec": spec_digest(job), "reference": file_digest(job.reference), "audio": file_digest(job.audio),
-            "model": model_digest(source)}
+    """The model digest is the base weights' (a job with a LoRA gets its own "lora" entry), so an interrupted
+    render without one resumes as before."""
+    out = {"spec": spec_digest(job), "reference": file_digest(job.reference), "audio": file_digest(job.audio),
+           "model": model_digest(_without_lora(source))}
+    if job.lora is not None:
+        out["lora"] = lora_digest(job)
+    return out
+
+
+def _without_lora(source: ModelSource) -> ModelSource:
+    """The source as resolved from the model alone (prepare() adds the job's LoRA; the batch's skip check
+    does not)."""
+    return source if source.lora is None else replace(source, lora=None)
 
 
 def describe_change(old: dict[str, str], new: dict[str, str]) -> str | None:
-    """None if nothing changed, else which of spec/reference/audio/model changed."""
-    names = {"spec": "the job spec", "reference": "the reference image", "audio": "the audio", "model": "the model"}
-    changed = [names.get(k, k) for k in new if old.get(k) != new[k]]
+    """None if nothing changed, else which of spec/reference/audio/model/lora changed."""
+    names = {"spec": "the job spec", "reference": "the reference image", "audio": "the audio", "model": "the model",
+             "lora": "the LoRA"}
+    changed = [names.get(k, k) for k in (*new, *(k for k in old if k not in new)) if old.get(k) != new.get(k)]
     return ", ".join(changed) or None

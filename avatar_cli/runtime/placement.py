@@ -113,6 +113,7 @@ def place(modules: Mapping[str, Module], runtime: Runtime, dist: Dist, offload: 
     if transfer is None:
         for name, module in modules.items():
             module.to(runtime.device, _dtype(name, runtime, plan))
+            _after_load(module)
         return Placement()
 
     sizes = {name: model_bytes(m.model) for name, m in modules.items()}
@@ -154,6 +155,7 @@ def _place_sharded(modules: Mapping[str, Module], runtime: Runtime, dist: Dist, 
                                                     param_dtype=param_dtype, offload=choice != "none")
         if lazy:  # sharded on meta: each rank now reads only its own rows of every tensor
             materialize(module.model, module.index, home, _dtype(name, runtime, plan))
+        _after_load(module)  # on this rank's rows, before the first all-gather
     replicated = {name: m for name, m in modules.items() if name not in SHARDED}
     _offload_replicated(replicated, runtime, choice, transfer, placement, plan)
     if plan.sequence_parallel is not None:
@@ -173,12 +175,21 @@ def _offload_replicated(modules: Mapping[str, Module], runtime: Runtime, choice:
     for name, module in modules.items():
         if choice == "none":
             module.to(runtime.device, _dtype(name, runtime, plan))
+            _after_load(module)
             continue
         module.to("cpu", _dtype(name, runtime, plan))
+        _after_load(module)  # before the offloader takes the weights into its host slabs
         if choice == "block" and hasattr(module.model, "blocks"):
             placement.offloaders[name] = BlockOffloader(module.model, transfer, name=name)
         else:
             placement.offloaders[name] = ModelOffloader(module.model, transfer, name=name)
+
+
+def _after_load(module: Module) -> None:
+    """The module's after-load step (a LoRA merge), once: its weights are now loaded where they stay."""
+    step, module.after_load = module.after_load, None
+    if step is not None:
+        step(module.model)
 
 
 def _known(free_bytes: int | None) -> int:

@@ -11,8 +11,11 @@ LiveAvatar's own loader (`add_lora_to_model`) wraps the model with `peft.get_pef
 The file carries no alpha (PEFT keeps it in adapter_config.json): the caller passes the rank it expects, and the
 scale alpha / rank (LiveAvatar: 64 / 128 = 0.5; PEFT's default, not rsLoRA's alpha / sqrt(rank)).
 
-Only headers are read up front; the merge reads one module's factors at a time, so its extra memory is one A, one
-B, one fp32 delta and one fp32 copy of that module's weight (about 0.6 GB for a 14B FFN layer).
+Only headers are read up front (`checked_lora`, when a job is prepared); the merge reads one module's factors at a
+time, so its extra memory is one A, one B, one fp32 delta and one fp32 copy of that module's weight (about 0.6 GB
+for a 14B FFN layer). A render merges at load (`LoraMerge`, the DiT's `Module.after_load`): in one process into
+the whole weights; under FSDP2 each rank into its own rows of each weight, right after it read them, before any
+all-gather, so no rank ever holds a whole weight for it.
 """
 
 import re
@@ -25,8 +28,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from avatar_cli.errors import InputError
+from avatar_cli.families.wan_s2v.dit import WanDiTParams, WanS2VDiT
 from avatar_cli.modules.module import _names
-from avatar_cli.modules.tensor_files import TensorInfo, read_safetensors_header
+from avatar_cli.modules.tensor_files import CheckpointFormatError, TensorInfo, read_safetensors_header
 
 # LiveAvatar's liveavatar/configs/s2v_causal_sft.yaml.
 LIVEAVATAR_RANK = 128
@@ -154,7 +158,8 @@ def merge_lora(model: nn.Module, lora: LoraFile, scale: float) -> int:
     """W <- W + scale · B @ A for every target, in float32 then cast back to W's dtype (one rounding, which is
     what PEFT's merge_and_unload gives with its fp32 adapters), in place. Everything is checked before the first
     weight changes; only non-finite factors are found mid-way (the model is then partly merged: discard it).
-    Runs once, on loaded plain weights (not meta, not sharded). Returns the number of merged modules."""
+    Runs once, on loaded plain weights (not meta, not sharded: see merge_lora_sharded). Returns the number of
+    merged modules."""
     layers = check_lora(model, lora)
     for name, layer in layers.items():
         w = layer.weight
@@ -163,14 +168,86 @@ def merge_lora(model: nn.Module, lora: LoraFile, scale: float) -> int:
                              f"{w.dtype}; merge into loaded, unsharded float weights (before sharding/quantising)")
     with torch.no_grad(), safe_open(str(lora.path), framework="pt", device="cpu") as fh:
         for name, layer in layers.items():
-            f, w = lora.modules[name], layer.weight
-            # copy=True: a fresh, aligned buffer even when the file is already fp32 (safetensors' views sit at
-            # arbitrary byte offsets, and unaligned BLAS paths round differently).
-            a = fh.get_tensor(f.a_key).to(w.device, torch.float32, copy=True)  # (r, in)
-            b = fh.get_tensor(f.b_key).to(w.device, torch.float32, copy=True)  # (out, r)
-            if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
-                raise InputError(f"lora: {lora.path}: {f.a_key} or {f.b_key} holds NaN or inf")
-            delta = (b @ a) * scale  # (out, in) fp32, PEFT's get_delta_weight order
-            w.copy_((w.float() + delta).to(w.dtype))  # (out, in)
-            del a, b, delta
+            _add_delta(fh, lora, lora.modules[name], layer.weight, 0, scale)
     return len(layers)
+
+
+def merge_lora_sharded(model: nn.Module, lora: LoraFile, scale: float) -> int:
+    """merge_lora on a model FSDP2 has sharded (every target weight a DTensor, Shard(0) over a 1-D mesh) and
+    this rank has materialised: only this rank's rows change, W[rows] <- W[rows] + scale · B[rows] @ A, with the
+    arithmetic of merge_lora, so the ranks' rows together are the whole merged weight bit for bit. The rows are
+    DTensor's split of dim 0 (what loading.materialize reads into the shard); FSDP2's padding rows stay zero.
+    Every rank reads the whole of A and B (a 14B FFN's B is 3.5 MB in bf16), so a non-finite factor is refused
+    on every rank alike. Returns the number of merged modules."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    layers = check_lora(model, lora)
+    rows: dict[str, int] = {}  # target -> its first row on this rank
+    for name, layer in layers.items():
+        w = layer.weight
+        if not isinstance(w, DTensor) or tuple(w.placements) != (Shard(0),) or w.dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"merge_lora_sharded: {name}.weight is {type(w).__name__} "
+                             f"{getattr(w, 'placements', '')} {w.dtype}; expected FSDP2's Shard(0) DTensor of floats")
+        local_shape, offset = compute_local_shape_and_global_offset(w.shape, w.device_mesh, w.placements)
+        if tuple(local_shape) != tuple(w.to_local().shape) or w.to_local().is_meta:
+            raise ValueError(f"merge_lora_sharded: {name}.weight: local shard {list(w.to_local().shape)} on "
+                             f"{w.to_local().device} is not this rank's materialised rows {list(local_shape)}")
+        rows[name] = offset[0]
+    with torch.no_grad(), safe_open(str(lora.path), framework="pt", device="cpu") as fh:
+        for name, layer in layers.items():
+            # to_local(): a view of the storage FSDP2 all-gathers from, so the merge is what every forward sees
+            _add_delta(fh, lora, lora.modules[name], layer.weight.to_local(), rows[name], scale)
+    return len(layers)
+
+
+def _add_delta(fh, lora: LoraFile, f: LoraFactors, w: torch.Tensor, row0: int, scale: float) -> None:
+    """w (rows, in), rows [row0, row0 + rows) of a target's weight, in place: += scale · B[rows] @ A, computed
+    in float32 and rounded once to w's dtype."""
+    # copy=True: fresh, aligned buffers even when the file is already fp32 (safetensors' views sit at arbitrary
+    # byte offsets, and unaligned BLAS paths round differently).
+    a = fh.get_tensor(f.a_key).to(w.device, torch.float32, copy=True)  # (r, in)
+    b = fh.get_tensor(f.b_key).to(w.device, torch.float32, copy=True)  # (out, r)
+    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+        raise InputError(f"lora: {lora.path}: {f.a_key} or {f.b_key} holds NaN or inf")
+    if w.shape[0] != b.shape[0]:
+        b = b[row0:row0 + w.shape[0]].clone()  # (rows, r) this rank's rows, in a fresh aligned buffer
+    delta = (b @ a) * scale  # (rows, in) fp32, PEFT's get_delta_weight order
+    w.copy_((w.float() + delta).to(w.dtype))  # (rows, in)
+
+
+@dataclass(frozen=True)
+class LoraMerge:
+    """A LoRA to merge into the DiT once its weights are loaded (`Module.after_load`): whole in one process, or
+    this rank's FSDP2 rows under several. Checked against the model (headers only) by `checked_lora`."""
+
+    lora: LoraFile
+    scale: float
+
+    @property
+    def path(self) -> Path:
+        return self.lora.path
+
+    def __call__(self, model: nn.Module) -> None:
+        sharded = any(isinstance(layer.weight, DTensor) for layer in check_lora(model, self.lora).values())
+        (merge_lora_sharded if sharded else merge_lora)(model, self.lora, self.scale)
+
+
+def checked_lora(dit: WanDiTParams, path: str | Path, rank: int = LIVEAVATAR_RANK,
+                 scale: float | None = None) -> LoraMerge:
+    """The job's LoRA read (headers only) and checked against the DiT `dit` describes, built on meta: cheap at
+    14B. scale None: LiveAvatar's alpha / rank, 0.5, which only a rank-128 LoRA may assume (the file carries no
+    alpha). Every refusal is an InputError naming the key or tensor."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"lora: {path}: no such file")
+    if scale is None and rank != LIVEAVATAR_RANK:
+        raise InputError(f"lora_scale: not set for a rank-{rank} LoRA; give its alpha / rank (the default, "
+                         f"{lora_scale():g}, is LiveAvatar's alpha {LIVEAVATAR_ALPHA:g} / rank {LIVEAVATAR_RANK})")
+    try:
+        lora = read_lora(path, rank)
+    except CheckpointFormatError as e:
+        raise InputError(f"lora: {e}") from None
+    with torch.device("meta"):
+        check_lora(WanS2VDiT(dit), lora)
+    return LoraMerge(lora, lora_scale() if scale is None else scale)
