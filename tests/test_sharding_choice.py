@@ -32,3 +32,26 @@ def test_unknown_memory_and_forced_modes():
     assert choose_sharding(("dit",), SIZES, 1, 1, 0).sharded == ()
     with pytest.raises(ValueError, match="runtime.shard"):
         choose_sharding(("dit",), SIZES, 2, None, 0, mode="sometimes")
+
+
+def test_two_ranks_replicate_or_shard_and_compute_the_same():
+    """place() on 2 gloo ranks: replicate keeps whole parameters, shard makes FSDP2 DTensors, auto replicates
+    when the free memory allows and shards when it is unknown; the Ulysses forward equals one rank's."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    scripts = Path(__file__).parent / "dist_scripts"
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(scripts))
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        str(scripts / "shard_choice.py")], env=env, capture_output=True, text=True, timeout=120)
+    lines = [line for line in r.stdout.splitlines() if line.startswith("{")]
+    assert r.returncode == 0 and lines, r.stdout[-2000:] + r.stderr[-3000:]
+    res = json.loads(lines[-1])
+    assert {k: (v["fsdp"], v["dtensor"]) for k, v in res.items()} == {
+        "replicate/unknown": (False, False), "shard/unknown": (True, True),
+        "auto/ample": (False, False), "auto/unknown": (True, True)}
+    assert max(v["rel"] for v in res.values()) < 3e-6

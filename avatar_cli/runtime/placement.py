@@ -34,6 +34,7 @@ from avatar_cli.runtime.frame_parallel import FrameParallel
 from avatar_cli.runtime.offload import (BlockOffloader, CudaTransfer, ModelOffloader, Transfer, choose_offload,
                                         model_bytes)
 from avatar_cli.runtime.parallelize import gpu_param_dtype, parallelize_model, prefetch_stage, reshard_stage
+from avatar_cli.runtime.sharding import choose_sharding
 from avatar_cli.families.base import ParallelPlan, check_degree
 
 log = logging.getLogger(__name__)
@@ -92,8 +93,12 @@ def resident_bytes(model: torch.nn.Module, world_size: int, reshard: str) -> int
 
 def place(modules: Mapping[str, Module], runtime: Runtime, dist: Dist, offload: str = "auto",
           reshard: str = "per_block", working_bytes: int = 2 << 30, transfer: Transfer | None = None,
-          free_bytes: int | None = None, plan: ParallelPlan | None = None) -> Placement:
+          free_bytes: int | None = None, plan: ParallelPlan | None = None, shard: str = "auto") -> Placement:
     """Put each model where it runs, shard and offload as configured; returns what the stages enter.
+
+    shard: auto | shard | replicate, for the plan's shardable models on several ranks (runtime/sharding.py):
+    auto replicates those whose replicas fit the device's free memory (no all-gather per forward) and shards
+    the rest; on a CPU, whose free memory is not known, it shards.
 
     plan: the family's ParallelPlan (which components to shard, split by frames, run sequence parallel);
     needed when `dist` has several ranks.
@@ -109,7 +114,8 @@ def place(modules: Mapping[str, Module], runtime: Runtime, dist: Dist, offload: 
         if module.is_lazy:  # on meta this costs nothing, and the sizes the offload choice reads come out right
             module.model.to(dtype=_dtype(name, runtime, plan))
     if dist.enabled:
-        return _place_sharded(modules, runtime, dist, offload, reshard, working_bytes, transfer, free_bytes, plan)
+        return _place_sharded(modules, runtime, dist, offload, reshard, working_bytes, transfer, free_bytes, plan,
+                              shard)
     if transfer is None:
         for name, module in modules.items():
             module.to(runtime.device, _dtype(name, runtime, plan))
@@ -130,13 +136,17 @@ def _dtype(name: str, runtime: Runtime, plan: ParallelPlan) -> torch.dtype:
 
 def _place_sharded(modules: Mapping[str, Module], runtime: Runtime, dist: Dist, offload: str, reshard: str,
                    working_bytes: int, transfer: Transfer | None, free_bytes: int | None,
-                   plan: ParallelPlan) -> Placement:
+                   plan: ParallelPlan, shard: str = "auto") -> Placement:
     """FSDP2 for the transformers, sequence parallel for the DiT; offload (if chosen) from the outside of both."""
     try:
         check_degree(plan.sp_heads, dist.world_size)
     except ValueError as e:
         raise InputError(str(e)) from None  # a choice of rank count, not a render failure: exit 2
-    SHARDED = plan.sharded
+    full = {name: model_bytes(m.model) for name, m in modules.items()}
+    shard_choice = choose_sharding(plan.sharded, full, dist.world_size, free_bytes, working_bytes, shard)
+    SHARDED = shard_choice.sharded
+    if set(plan.sharded) - set(SHARDED):
+        log.info("placement: %s", shard_choice.reason)
     choice = "none"
     if transfer is not None:
         sizes = {name: resident_bytes(m.model, dist.world_size, reshard) if name in SHARDED else model_bytes(m.model)
@@ -164,7 +174,7 @@ def _place_sharded(modules: Mapping[str, Module], runtime: Runtime, dist: Dist, 
     for name in plan.frame_parallel:
         modules[name].model = FrameParallel(modules[name].model, dist.group)
     log.info("placement: %s sharded over %d ranks (reshard %s%s); %s sequence parallel; %s frame parallel",
-             ", ".join(SHARDED), dist.world_size, reshard, ", shards in pinned host memory" if choice != "none" else "",
+             ", ".join(SHARDED) or "nothing", dist.world_size, reshard, ", shards in pinned host memory" if choice != "none" else "",
              plan.sequence_parallel or "nothing", ", ".join(plan.frame_parallel) or "nothing")
     return placement
 
@@ -178,7 +188,6 @@ def _offload_replicated(modules: Mapping[str, Module], runtime: Runtime, choice:
             _after_load(module)
             continue
         module.to("cpu", _dtype(name, runtime, plan))
-        _after_load(module)  # before the offloader takes the weights into its host slabs
         if choice == "block" and hasattr(module.model, "blocks"):
             placement.offloaders[name] = BlockOffloader(module.model, transfer, name=name)
         else:
