@@ -22,8 +22,12 @@ from avatar_cli.cli import app
 from avatar_cli.families.wan_s2v.dit import WanDiTParams, WanS2VDiT
 from avatar_cli.families.wan_s2v.lora import merge_lora, peft_targets, read_lora
 from avatar_cli.modules.module import save_safetensors
-from avatar_cli.modules.registry import init_family_dir, resolve_model
+from avatar_cli.modules.registry import init_family_dir, load_modules, resolve_model, with_lora
 from avatar_cli.pipeline.fingerprint import describe_change, job_fingerprint
+from avatar_cli.runtime.device import Runtime
+from avatar_cli.runtime.distributed import Dist
+from avatar_cli.runtime.offload import HostTransfer
+from avatar_cli.runtime.placement import place
 from avatar_cli.spec import load_job
 from tests.conftest import write_reference, write_wav
 
@@ -122,6 +126,23 @@ def test_two_ranks_merge_their_rows_and_match_one_rank(job: Path, models, one_ra
     diff = np.abs(a - b)
     # The bound of tests/test_wan_family.py::test_two_ranks_match_one (Ulysses sums in another order; lossless).
     assert (diff > 0).mean() < 1e-3 and diff.max() <= 6, ((diff > 0).mean(), diff.max())
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_one_process_merges_where_the_weights_stay(models, offload):
+    """Placement runs the DiT's after-load step once it is read whole, before an offloader takes it: the placed
+    weights are the pre-merged file's, bit for bit (float32, as stored)."""
+    source = with_lora(resolve_model(str(models.base), models.root), models.lora, RANK, SCALE)
+    dit = load_modules(source)["dit"]
+    assert dit.is_lazy and dit.after_load is source.lora
+    extra = dict(transfer=HostTransfer(), free_bytes=1, offload="model") if offload else {}
+    placement = place({"dit": dit}, Runtime(torch.device("cpu"), torch.float32), Dist(), **extra)
+    assert list(placement.offloaders) == (["dit"] if offload else []) and dit.after_load is None
+    want = {}
+    for shard in models.premerged.glob("diffusion_pytorch_model-*.safetensors"):
+        want.update(load_file(shard))
+    got = dit.model.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k].cpu(), want[k]) for k in want)
 
 
 def test_each_rank_merges_exactly_its_rows_bit_for_bit(models):

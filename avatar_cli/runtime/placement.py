@@ -188,6 +188,7 @@ def _offload_replicated(modules: Mapping[str, Module], runtime: Runtime, choice:
             _after_load(module)
             continue
         module.to("cpu", _dtype(name, runtime, plan))
+        _after_load(module)  # before the offloader takes the weights into its host slabs
         if choice == "block" and hasattr(module.model, "blocks"):
             placement.offloaders[name] = BlockOffloader(module.model, transfer, name=name)
         else:
