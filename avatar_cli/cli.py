@@ -19,6 +19,9 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Render talking-avatar videos of any length from a reference picture and a speech track.")
 models_app = typer.Typer(help="List the models available, or write a new model directory.")
 app.add_typer(models_app, name="models")
+prompts_app = typer.Typer(help="The text cache: prompt encodings computed once (runtime.text_cache).",
+                          no_args_is_help=True)
+app.add_typer(prompts_app, name="prompts")
 
 
 JobArg = Annotated[Path, typer.Argument(help="The job spec (YAML).", show_default=False)]
@@ -232,6 +235,34 @@ def models_check(directory: Annotated[Path, typer.Argument(help="A model directo
         _print_check(reporter, report)
         if not report["ok"]:
             raise InputError(f"models check: {directory}: " + report["summary"])
+
+    _run(action, json, debug)
+
+
+@prompts_app.command("encode", context_settings={"allow_interspersed_args": True})
+def prompts_encode(
+    args: Annotated[list[str], typer.Argument(help="Job files, folders of them or globs, then dotted overrides "
+                                              "(key=value) for every job.", show_default=False)],
+    json: JsonOpt = None, debug: DebugOpt = False,
+) -> None:
+    """Fill the text cache for these jobs before a fleet run: each distinct prompt of each model encoded once
+    (only the text encoder is loaded); says how many were new and how many already cached. Exit 2 if a job is
+    bad (the others are still filled)."""
+    def action(reporter):
+        from avatar_cli.batch import expand_jobs
+        from avatar_cli.errors import EXIT_BAD_INPUT, SpecError
+        from avatar_cli.pipeline.text_cache import fill
+
+        overrides = [a for a in args if "=" in a and not Path(a).exists()]
+        job_args = [a for a in args if a not in overrides]
+        if not job_args:
+            raise SpecError("no job given: avatar prompts encode JOB.yaml [KEY=VALUE ...]")
+        r = fill(expand_jobs(job_args), overrides, reporter.info)
+        for _, code, message in r.bad:
+            reporter.error(code, message)
+        _print_info(reporter, {"event": "prompts", "jobs": r.jobs, "distinct": r.distinct, "new": r.new,
+                               "cached": r.cached, "off": r.off, "bad": len(r.bad)})
+        return EXIT_BAD_INPUT if r.bad else 0  # a job that cannot be read is bad input, as in render
 
     _run(action, json, debug)
 

@@ -8,20 +8,22 @@ import errno
 import os
 import shutil
 import time
-from dataclasses import dataclass, field
+from collections.abc import Collection
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from avatar_cli.errors import InputError, RenderError
-from avatar_cli.families.base import Sampling
+from avatar_cli.families.base import ParallelPlan, Sampling
 from avatar_cli.media.audio import AudioInfo, AudioWindowReader, probe_audio
 from avatar_cli.media.image import fit_image, load_image, small_image_warning
 from avatar_cli.media.writer import Mp4Writer, resolve_codec
 from avatar_cli.modules.module import Module
 from avatar_cli.modules.registry import ModelSource, check_model, load_modules, resolve_model
 from avatar_cli.pipeline import checkpoint as ckpt
+from avatar_cli.pipeline import text_cache
 from avatar_cli.pipeline.fingerprint import describe_change, job_fingerprint
 from avatar_cli.pipeline.run import ChunkDone, Pipeline, ResumeFrom, Stretch
 from avatar_cli.pipeline.schedule import num_frames
@@ -138,8 +140,10 @@ class ModelCache:
     transfer: Transfer | None = None
     free_bytes: int | None = None
 
-    def get(self, source: ModelSource, runtime: Runtime, dist: Dist, rt_spec, reporter: Reporter
-            ) -> tuple[dict[str, Module], Placement]:
+    def get(self, source: ModelSource, runtime: Runtime, dist: Dist, rt_spec, reporter: Reporter,
+            skip: Collection[str] = ()) -> tuple[dict[str, Module], Placement]:
+        """skip: components this job does not need loaded (its prompt is in the text cache). A set that lacks
+        what a later job needs gets just those loaded and placed beside it."""
         key = (source.fingerprint, str(runtime.device), str(runtime.dtype), rt_spec.offload.value,
                rt_spec.reshard.value)
         if key not in self.loaded:
@@ -147,11 +151,29 @@ class ModelCache:
                 reporter.info(f"note: model '{source.name}' has no trained weights yet: a seeded random init stands "
                               "in, so the video shows noise, not a face")
             self.loaded.clear()  # keep one model set resident, not one per model ever used
-            modules = load_modules(source)
-            placement = place(modules, runtime, dist, rt_spec.offload.value, rt_spec.reshard.value,
-                              transfer=self.transfer, free_bytes=self.free_bytes, plan=source.family.parallel)
+            self.loaded[key] = ({}, Placement())
+        modules, placement = self.loaded[key]
+        wanted = [n for n in source.family.components if n not in skip and n not in modules]
+        if wanted:
+            unwanted = [n for n in source.family.components if n not in wanted]
+            more = load_modules(source, skip=unwanted) if unwanted else load_modules(source)
+            added = place(more, runtime, dist, rt_spec.offload.value, rt_spec.reshard.value, transfer=self.transfer,
+                          free_bytes=self.free_bytes, plan=plan_for(source.family.parallel, more))
+            if modules:  # beside a placed set: the stages look each component up by name in either
+                placement.offloaders.update(added.offloaders)
+                placement.sharded.update(added.sharded)
+            else:
+                placement = added
+            modules.update(more)
             self.loaded[key] = (modules, placement)
-        return self.loaded[key]
+        return modules, placement
+
+
+def plan_for(plan: ParallelPlan, names: Collection[str]) -> ParallelPlan:
+    """The family's parallel plan restricted to the components being placed now."""
+    return replace(plan, sharded=tuple(n for n in plan.sharded if n in names),
+                   frame_parallel=tuple(n for n in plan.frame_parallel if n in names),
+                   sequence_parallel=plan.sequence_parallel if plan.sequence_parallel in names else None)
 
 
 def setup_runtime(spec) -> tuple[Runtime, Dist]:
@@ -282,8 +304,13 @@ def _render_locked(p: Prepared, reporter: Reporter, models: ModelCache | None, r
         ckpt.discard_partial(partial)
     resume_from = _share_resume(dist, resume_from, runtime)
 
-    modules, placement = (models or ModelCache()).get(p.model, runtime, dist, spec.runtime, reporter)
-    pipeline = Pipeline(modules, p.model.family, runtime, placement)
+    # A prompt found in the text cache: its encoder is neither loaded nor placed.
+    prompts = text_cache.job_prompts(spec.runtime.text_cache, p.job.path.parent, p.model, runtime.dtype,
+                                     reporter.info, write=main)
+    cached = text_cache.ready(prompts, spec.prompt, runtime.device, dist)
+    modules, placement = (models or ModelCache()).get(p.model, runtime, dist, spec.runtime, reporter,
+                                                      skip=text_cache.skipped(prompts, spec.prompt))
+    pipeline = Pipeline(modules, p.model.family, runtime, placement, prompts=prompts)
     image = fit_image(p.image, *p.gen_size)  # (3, H, W) in [-1, 1]
     chunks = pipeline.schedule(spec, frames)
 
@@ -362,6 +389,7 @@ def _render_locked(p: Prepared, reporter: Reporter, models: ModelCache | None, r
         "load_s": round(t_render - t_start, 4), "generate_s": round(gen_s, 4),
         "compute_s": {k: round(v, 4) for k, v in stats.compute_s.items()},
         "resumed_at": first_put, "frames_digest": checkpoint.frames_digest, "ranks": dist.world_size,
+        "text_cache": "hit" if cached else "miss" if prompts.enabled else "off",
         "dtype": dtype_name(runtime.dtype), "dtype_reason": runtime.dtype_reason,
         "cpu_capability": cpu_info().capability,
     }

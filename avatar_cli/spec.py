@@ -88,6 +88,7 @@ class RuntimeSpec:
     threads: int = 0  # torch CPU threads; 0 = one per core
     offload: Offload = Offload.auto  # GPU: where idle models wait (auto decides from free GPU memory)
     reshard: Reshard = Reshard.per_block  # several GPUs: FSDP2 reshards after each block, or after each stage
+    text_cache: str = "auto"  # prompt encodings: auto (user cache folder) | off | a folder (pipeline/text_cache.py)
 
 
 @dataclass

@@ -373,7 +373,7 @@ def test_jobs_sharing_a_model_load_it_once(job_dir: Path, monkeypatch):
     jobs = make_batch(job_dir, ["a", "b", "c"])
     calls = []
     real = runner.load_modules
-    monkeypatch.setattr(runner, "load_modules", lambda source: calls.append(source.name) or real(source))
+    monkeypatch.setattr(runner, "load_modules", lambda source, **kw: calls.append(source.name) or real(source, **kw))
     result = CliRunner().invoke(app, ["render", str(jobs), "--json"])
     assert result.exit_code == 0, result.output
     assert len(calls) == 1

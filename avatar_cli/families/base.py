@@ -188,6 +188,16 @@ class Family(ABC):
     def prompt(self, models: Models, prompt: str, device: torch.device, dtype: torch.dtype) -> Any:
         """The prompt's conditioning."""
 
+    # The text cache (pipeline/text_cache.py) stores the prompt's conditioning as flat named tensors (safetensors,
+    # never a pickle). A family that does not say how is not cached: its prompt is encoded for every job.
+    def prompt_tensors(self, out: Any) -> dict[str, torch.Tensor] | None:
+        """`prompt`'s output -> named tensors that `prompt_from_tensors` turns back into it; None: not cached."""
+        return None
+
+    def prompt_from_tensors(self, tensors: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> Any:
+        """The inverse of `prompt_tensors`: exactly the conditioning `prompt` returned (its dtype included)."""
+        raise NotImplementedError(f"{self.name}: prompt_from_tensors")
+
     # Per chunk.
     @abstractmethod
     def context(self, models: Models, chunk: Chunk, audio: AudioSource, fps: float, text: Any,

@@ -8,6 +8,7 @@ A model directory is either
 import dataclasses
 import json
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -134,16 +135,23 @@ def check_model(source: ModelSource) -> None:
         check_checkpoint(source.path / filename, build_meta(cls, getattr(source.config, comp)))
 
 
-def load_modules(source: ModelSource) -> dict[str, Module]:
+def load_modules(source: ModelSource, skip: Collection[str] = ()) -> dict[str, Module]:
+    """skip: components not to load (the text encoder of a job whose prompt is in the text cache)."""
     if not isinstance(source.config, FamilyConfig):
         from avatar_cli.families.wan_s2v import model_dir as wan
 
-        modules = wan.load_components(source.config)
+        if not skip:
+            modules = wan.load_components(source.config)
+        else:
+            loaders = {"text": wan.load_text, "audio": wan.load_audio, "dit": wan.load_dit, "vae": wan.load_vae}
+            modules = {name: load(source.config) for name, load in loaders.items() if name not in skip}
         if source.lora is not None and "dit" in modules:
             modules["dit"].after_load = source.lora  # placement merges it once the weights are loaded
         return modules
     modules = {}
     for i, (comp, (filename, cls)) in enumerate(COMPONENTS.items()):
+        if comp in skip:
+            continue  # after enumerate: the other components keep their random-init seeds
         params = getattr(source.config, comp)
         if source.path is None:
             modules[comp] = random_module(comp, cls, params, seed=RANDOM_SEED + i)

@@ -4,6 +4,7 @@ import hashlib
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -19,6 +20,9 @@ from avatar_cli.stages.context import ContextGen, PromptEncode
 from avatar_cli.stages.publish import DecodePublish, FrameSink
 from avatar_cli.stages.reference import ReferenceEncode
 from avatar_cli.stages.sr import SuperResolve
+
+if TYPE_CHECKING:
+    from avatar_cli.pipeline.text_cache import PromptCache
 
 
 @dataclass
@@ -68,13 +72,14 @@ class RenderStats:
 
 class Pipeline:
     def __init__(self, modules: Mapping[str, Module], family: Family, runtime: Runtime,
-                 placement: Placement | None = None, count_flops: bool = False):
+                 placement: Placement | None = None, count_flops: bool = False, prompts: "PromptCache | None" = None):
+        """prompts: the text cache's PromptCache for this model (pipeline/text_cache.py), or None: encode."""
         self.family = family
         self.count_flops = count_flops  # `make bench`: FLOPs per stage, against the machine's peak
         self.runtime = runtime
         self.placement = placement or Placement()
         self.reference = ReferenceEncode(family, modules, runtime)
-        self.prompt = PromptEncode(family, modules, runtime)
+        self.prompt = PromptEncode(family, modules, runtime, prompts)
         self.context = ContextGen(family, modules, runtime)
         self.a2v = AudioToVideo(family, modules, runtime)
         self.sr = SuperResolve(family, modules, runtime)
@@ -117,9 +122,10 @@ class Pipeline:
         # stage's in while this one computes (with offload; otherwise these are no-ops).
         stage = self.placement.stage
         # 1. Reference and prompt conditioning: computed once, kept for the whole job.
-        with timer("reference"), stage(self.reference.needs, then=self.prompt.needs):
+        prompt_needs = self.prompt.needs_for(spec.prompt)  # none when the prompt's encoding is cached
+        with timer("reference"), stage(self.reference.needs, then=prompt_needs):
             ref = self.reference.run(image)
-        with timer("context"), stage(self.prompt.needs, then=self.context.needs):
+        with timer("context"), stage(prompt_needs, then=self.context.needs):
             text = self.prompt.run(spec.prompt)
 
         for i in range(first, len(chunks)):

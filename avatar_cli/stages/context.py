@@ -1,17 +1,42 @@
 """Context generation: the prompt's conditioning once per job; per chunk, audio features, noise and the
 frames the chunk is given (the family builds them)."""
 
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
-from avatar_cli.families.base import AudioSource, Chunk, RollingState
-from avatar_cli.stages.base import Stage
+from avatar_cli.families.base import AudioSource, Chunk, Family, RollingState
+from avatar_cli.modules.module import Module
+from avatar_cli.runtime.device import Runtime
+from avatar_cli.stages.base import ModelView, Stage
+
+if TYPE_CHECKING:
+    from avatar_cli.pipeline.text_cache import PromptCache
 
 
 class PromptEncode(Stage):
+    """prompts: the text cache (pipeline/text_cache.py PromptCache), or None to encode every time. When the
+    runner found the job's prompt there it did not load the encoder: this stage then needs nothing."""
+
     step = "prompt"
 
+    def __init__(self, family: Family, modules: Mapping[str, Module], runtime: Runtime,
+                 prompts: "PromptCache | None" = None):
+        self.prompts = prompts
+        if prompts is not None and any(n not in modules for n in family.needs.get(self.step, ())):
+            # Not loaded: the runner found the prompt in the cache. Nothing to bring onto the device.
+            self.family, self.runtime, self.needs, self.models = family, runtime, (), ModelView({})
+            return
+        super().__init__(family, modules, runtime)
+
+    def needs_for(self, prompt: str) -> tuple[str, ...]:
+        """The components to bring onto the device for this prompt: none when its encoding is at hand."""
+        return () if self.prompts is not None and prompt in self.prompts.known else self.needs
+
     def run(self, prompt: str) -> Any:
-        return self.family.prompt(self.models, prompt, self.runtime.device, self.runtime.dtype)
+        rt = self.runtime
+        if self.prompts is None:
+            return self.family.prompt(self.models, prompt, rt.device, rt.dtype)
+        return self.prompts.encode(self.models, prompt, rt.device, rt.dtype)
 
 
 class ContextGen(Stage):
@@ -24,5 +49,3 @@ class ContextGen(Stage):
     def release_before(self, audio: AudioSource, frame: int, fps: float) -> None:
         """No later chunk reads audio for frames before `frame`: let the reader drop it."""
         self.family.release_audio(self.models, audio, frame, fps)
-
-

@@ -19,7 +19,9 @@ from common import exit_now
 
 
 def render(job: Path, name: str, offload: str, cache: runner.ModelCache) -> dict:
-    spec = load_job(job, [f"runtime.offload={offload}", "runtime.dtype=float32"], output=str(job.parent / name))
+    # No text cache: the text encoder is sharded and offloaded too (a cached prompt would leave it unloaded).
+    spec = load_job(job, [f"runtime.offload={offload}", "runtime.dtype=float32", "runtime.text_cache=off"],
+                    output=str(job.parent / name))
     return runner.render(runner.prepare(spec, force=True), QuietReporter(0), models=cache)
 
 

@@ -79,6 +79,13 @@ class MiniFamily(Family):
             return torch.zeros(1, 0, text.params.dim, device=device, dtype=dtype)
         return text(ids)  # (1, Nt, text_dim)
 
+    def prompt_tensors(self, out: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"text": out}  # (1, Nt, text_dim)
+
+    def prompt_from_tensors(self, tensors: dict[str, torch.Tensor], device: torch.device,
+                            dtype: torch.dtype) -> torch.Tensor:
+        return tensors["text"].to(device)  # (1, Nt, text_dim), in the dtype it was encoded in
+
     # --- per chunk ---------------------------------------------------------------------------------------
 
     def audio_features(self, models: Models, audio: AudioSource, first_frame: int, num_frames: int, fps: float,

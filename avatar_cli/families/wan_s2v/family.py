@@ -176,6 +176,12 @@ class WanS2VFamily(Family):
         return {"text": self._encode_text(text, prompt, device),
                 "negative": self._encode_text(text, S2V_NEGATIVE_PROMPT, device)}
 
+    def prompt_tensors(self, out: dict) -> dict[str, torch.Tensor]:
+        return {"text": out["text"], "negative": out["negative"]}  # (L, text_dim), (L', text_dim)
+
+    def prompt_from_tensors(self, tensors: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> dict:
+        return {"text": tensors["text"].to(device), "negative": tensors["negative"].to(device)}  # as encoded
+
     # --- per chunk ---------------------------------------------------------------------------------------
 
     def _features(self, models: Models, audio: AudioSource) -> WindowedAudioFeatures:

@@ -1,0 +1,267 @@
+"""The text cache (issue 16 §1): k encoder runs for k distinct prompts, a cached job never loads its text encoder,
+corrupt entries are encoded again, concurrent writers leave one valid entry, and the video does not change."""
+
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from avatar_cli import runner
+from avatar_cli.families.mini.family import MiniFamily
+from avatar_cli.modules.registry import init_family_dir, load_modules, resolve_model
+from avatar_cli.pipeline import text_cache
+from avatar_cli.pipeline.text_cache import EntryKey, PromptCache, TextCache
+from avatar_cli.report import QuietReporter
+from avatar_cli.spec import load_job
+from avatar_cli.stages.base import ModelView
+from tests.conftest import write_reference, write_wav
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Notes(QuietReporter):
+    def __init__(self):
+        super().__init__(0)
+        self.notes: list[str] = []
+        self.done_: list[dict] = []
+
+    def info(self, message: str) -> None:
+        self.notes.append(message)
+
+    def done(self, summary: dict) -> None:
+        self.done_.append(summary)
+
+
+@pytest.fixture
+def jobs(tmp_path: Path, tiny_model: Path) -> Path:
+    """A folder with short inputs and a job writer: job(name, prompt, cache) -> its path."""
+    write_reference(tmp_path / "ref.png")
+    write_wav(tmp_path / "speech.wav", 0.5)
+    return tmp_path
+
+
+def write_job(folder: Path, name: str, prompt: str, cache: str, model: Path) -> Path:
+    path = folder / f"{name}.yaml"
+    path.write_text(f"reference: ref.png\naudio: speech.wav\noutput: out/{name}.mp4\nmodel: {model}\n"
+                    f"prompt: {json.dumps(prompt)}\nseed: 3\nruntime: {{text_cache: {cache}, dtype: float32}}\n"
+                    "chunking: {frames: 16, motion_frames: 3, transition_frames: 4}\n")
+    return path
+
+
+def render(path: Path, models: runner.ModelCache | None = None, reporter: Notes | None = None) -> dict:
+    return runner.render(runner.prepare(load_job(path), force=True), reporter or Notes(), models)
+
+
+@pytest.fixture
+def count_encodes(monkeypatch) -> list[str]:
+    """Every run of mini's prompt step (its text encoder), by prompt."""
+    calls: list[str] = []
+    original = MiniFamily.prompt
+
+    def counted(self, models, prompt, device, dtype):
+        calls.append(prompt)
+        return original(self, models, prompt, device, dtype)
+
+    monkeypatch.setattr(MiniFamily, "prompt", counted)
+    return calls
+
+
+def test_batch_of_n_jobs_with_k_prompts_encodes_k_times_and_frames_match(jobs, tiny_model, count_encodes):
+    from avatar_cli.batch import run_batch
+
+    prompts = ["smiling calm", "smiling calm", "surprised", "surprised", "smiling calm"]
+    paths = [write_job(jobs, f"j{i}", p, "cache", tiny_model) for i, p in enumerate(prompts)]
+    notes = Notes()
+    results = run_batch(paths, [], None, True, False, False, notes)
+    assert [r.status for r in results] == ["done"] * 5
+    assert sorted(count_encodes) == ["smiling calm", "surprised"]  # k = 2 encoder runs for N = 5 jobs
+    assert [d["text_cache"] for d in notes.done_] == ["miss", "hit", "miss", "hit", "hit"]
+    assert len(list((jobs / "cache").glob("*.safetensors"))) == 2
+
+    # The same video as without the cache: from the encoder's own output (j2) and from the entry (j3).
+    off = render(write_job(jobs, "off", "surprised", "off", tiny_model))
+    assert off["text_cache"] == "off"
+    assert notes.done_[2]["frames_digest"] == notes.done_[3]["frames_digest"] == off["frames_digest"]
+
+
+def test_cached_job_does_not_load_the_text_encoder(jobs, tiny_model, count_encodes):
+    cold = render(write_job(jobs, "cold", "smiling", "cache", tiny_model))
+    cache = runner.ModelCache()
+    warm = render(write_job(jobs, "warm", "smiling", "cache", tiny_model), cache)
+    (modules, _), = cache.loaded.values()
+    assert "text" not in modules and {"dit", "vae", "sr", "audio"} <= set(modules)
+    assert (cold["text_cache"], warm["text_cache"]) == ("miss", "hit")
+    assert cold["frames_digest"] == warm["frames_digest"] and count_encodes == ["smiling"]
+
+    # The same model set, next job of a batch with an uncached prompt: only the text encoder is loaded beside it.
+    dit = modules["dit"]
+    other = render(write_job(jobs, "other", "happy", "cache", tiny_model), cache)
+    (modules, _), = cache.loaded.values()
+    assert "text" in modules and modules["dit"] is dit and other["text_cache"] == "miss"
+    assert other["frames_digest"] == render(write_job(jobs, "other_off", "happy", "off", tiny_model))["frames_digest"]
+
+    # A corrupt entry in a render: said once, encoded again (the same video), rewritten.
+    prompts = PromptCache(TextCache(jobs / "cache"), resolve_model(str(tiny_model), jobs), torch.float32)
+    entry = prompts.store.path(prompts.key("happy"))
+    entry.write_bytes(entry.read_bytes()[:-5])
+    notes = Notes()
+    again = render(write_job(jobs, "again", "happy", "cache", tiny_model), reporter=notes)
+    said = [n for n in notes.notes if "text cache" in n]
+    assert len(said) == 1 and str(entry) in said[0] and again["text_cache"] == "miss"
+    assert again["frames_digest"] == other["frames_digest"] and count_encodes[-1] == "happy"
+    assert render(write_job(jobs, "after", "happy", "cache", tiny_model))["text_cache"] == "hit"
+
+
+def mini_prompts(folder: Path, model: Path, notes: list[str]) -> tuple[PromptCache, ModelView]:
+    source = resolve_model(str(model), Path("/"))
+    modules = load_modules(source, skip=("vae", "dit", "sr", "audio"))
+    return PromptCache(TextCache(folder), source, torch.float32, notes.append), ModelView(modules)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "flipped byte", "another key", "garbage"])
+def test_corrupt_entry_is_reported_encoded_again_and_rewritten(tmp_path, tiny_model, damage):
+    notes: list[str] = []
+    prompts, models = mini_prompts(tmp_path / "cache", tiny_model, notes)
+    cpu = torch.device("cpu")
+    good = prompts.encode(models, "smiling", cpu, torch.float32)  # (1, 1, 16)
+    path = prompts.store.path(prompts.key("smiling"))
+    blob = path.read_bytes()
+    if damage == "truncated":
+        path.write_bytes(blob[:len(blob) - 7])
+    elif damage == "flipped byte":
+        path.write_bytes(blob[:-3] + bytes([blob[-3] ^ 0x10]) + blob[-2:])
+    elif damage == "another key":  # a valid entry of another prompt, under this prompt's name
+        prompts.encode(models, "happy", cpu, torch.float32)
+        shutil.copy(prompts.store.path(prompts.key("happy")), path)
+    else:
+        path.write_bytes(b"\xff" * 64)
+
+    again, _ = mini_prompts(tmp_path / "cache", tiny_model, notes)
+    assert not again.lookup("smiling", cpu)  # never used
+    assert len(notes) == 1 and str(path) in notes[0] and "unusable" in notes[0], notes
+    out = again.encode(models, "smiling", cpu, torch.float32)
+    assert again.encoded == 1 and torch.equal(out, good)
+    tensors, problem = again.store.read(again.key("smiling"))  # rewritten, valid
+    assert problem is None and torch.equal(tensors["text"], good)
+
+
+WRITER = textwrap.dedent("""
+    import sys, time, torch
+    from pathlib import Path
+    from avatar_cli.pipeline.text_cache import EntryKey, TextCache
+    folder, value = Path(sys.argv[1]), float(sys.argv[2])
+    key = EntryKey("mini", "e" * 64, "t" * 64, "the same prompt", "", "float32")
+    cache = TextCache(folder)
+    (folder.parent / f"ready{value}").touch()
+    while not (folder.parent / "go").exists():  # both start writing at once, after importing torch
+        time.sleep(0.002)
+    for _ in range(25):
+        cache.write(key, {"text": torch.full((1, 64, 1024), value)}, "cpu")  # 256 KB: writes take a while
+""")
+
+
+def test_concurrent_writers_leave_one_valid_entry(tmp_path):
+    import time
+
+    folder = tmp_path / "shared"
+    procs = [subprocess.Popen([sys.executable, "-c", WRITER, str(folder), str(v)], cwd=ROOT) for v in (1.0, 2.0)]
+    while not all((tmp_path / f"ready{v}").exists() for v in (1.0, 2.0)) and all(p.poll() is None for p in procs):
+        time.sleep(0.01)
+    (tmp_path / "go").touch()
+    key = EntryKey("mini", "e" * 64, "t" * 64, "the same prompt", "", "float32")
+    cache, seen, problems = TextCache(folder), set(), []
+    while any(p.poll() is None for p in procs):  # read all the while: never a half-written entry
+        tensors, problem = cache.read(key)
+        if problem:
+            problems.append(problem)
+        elif tensors is not None:
+            seen.add(float(tensors["text"][0, 0, 0]))
+        time.sleep(0.002)
+    assert [p.returncode for p in procs] == [0, 0]
+    assert problems == []
+    tensors, problem = cache.read(key)
+    assert problem is None and float(tensors["text"].unique().item()) in (1.0, 2.0)
+    assert [p.name for p in folder.iterdir()] == [cache.path(key).name]  # no temp file left behind
+    assert seen  # the reader did see entries while they were being replaced
+
+
+def test_key_covers_what_the_encoding_depends_on(tmp_path, tiny_model):
+    wan = tmp_path / "wan"
+    init_family_dir(wan, "tiny", family="wan-s2v")
+    copy = tmp_path / "copy_on_another_host"
+    shutil.copytree(wan, copy)  # new files, new mtimes: the same content, so the same entries
+    a, b = (PromptCache(TextCache(tmp_path / "c"), resolve_model(str(d), tmp_path), torch.float32)
+            for d in (wan, copy))
+    assert a.key("talking") == b.key("talking") and a.key("talking").negative  # wan encodes its negative prompt
+    assert a.key("talking").digest != a.key("talking ").digest  # the exact prompt
+    bf16 = PromptCache(TextCache(tmp_path / "c"), resolve_model(str(wan), tmp_path), torch.bfloat16)
+    assert bf16.key("talking").digest != a.key("talking").digest  # the encoder's dtype
+    mini = PromptCache(TextCache(tmp_path / "c"), resolve_model(str(tiny_model), tmp_path), torch.float32)
+    assert mini.key("talking").encoder != a.key("talking").encoder and mini.key("talking").negative == ""
+    # Other weights of the same shapes (another seed): another encoder digest.
+    other = tmp_path / "other"
+    init_family_dir(other, "tiny", seed=1, family="wan-s2v")
+    c = PromptCache(TextCache(tmp_path / "c"), resolve_model(str(other), tmp_path), torch.float32)
+    assert c.key("talking").encoder != a.key("talking").encoder
+
+
+@pytest.mark.parametrize("layout", ["official", "diffusers"])
+def test_wan_prompt_round_trip_is_exact(tmp_path, layout):
+    from avatar_cli.families.wan_s2v import files, model_dir
+
+    wan = tmp_path / "wan"
+    model_dir.init_dir(wan, "tiny", layout=files.OFFICIAL if layout == "official" else files.DIFFUSERS)
+    source = resolve_model(str(wan), tmp_path)
+    assert source.config.layout == (files.OFFICIAL if layout == "official" else files.DIFFUSERS)
+    models = ModelView(load_modules(source, skip=("dit", "vae", "audio")))
+    cpu = torch.device("cpu")
+    prompts = PromptCache(TextCache(tmp_path / "c"), source, torch.float32)
+    out = prompts.encode(models, "a person talking", cpu, torch.float32)  # {"text": (L, 32), "negative": (L', 32)}
+    fresh = PromptCache(TextCache(tmp_path / "c"), source, torch.float32)
+    assert fresh.lookup("a person talking", cpu)
+    back = fresh.known["a person talking"]
+    assert back.keys() == out.keys() and all(torch.equal(back[k], out[k]) and back[k].dtype == out[k].dtype
+                                             for k in out)
+    assert out["negative"].shape[0] > out["text"].shape[0] > 0 and fresh.encoded == 0
+
+
+def test_cache_setting_does_not_change_the_job_fingerprint(job_dir, tiny_model):
+    from avatar_cli.pipeline.fingerprint import job_fingerprint
+
+    source = resolve_model(str(tiny_model), job_dir)
+    a, b = (job_fingerprint(load_job(job_dir / "job.yaml", [f"runtime.text_cache={v}"]), source)
+            for v in ("off", "/elsewhere"))
+    assert a == b  # a rerun with another cache folder still resumes, and a finished output is still skipped
+
+
+def test_cache_folder_setting(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert text_cache.cache_folder("auto", tmp_path) == tmp_path / "xdg" / "avatar" / "text"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/ignored")
+    assert text_cache.cache_folder("auto", tmp_path) == Path.home() / ".cache" / "avatar" / "text"
+    assert text_cache.cache_folder("off", tmp_path) is None
+    assert text_cache.cache_folder("False", tmp_path) is None  # YAML's unquoted off, as the spec's string holds it
+    assert text_cache.cache_folder("shared/text", tmp_path / "jobs") == tmp_path / "jobs" / "shared" / "text"
+    with pytest.raises(text_cache.InputError, match="runtime.text_cache"):
+        text_cache.cache_folder(" ", tmp_path)
+
+
+def test_prompts_encode_then_render_does_not_load_the_encoder(jobs, tiny_model):
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "avatar_cli", *args, "--json"], capture_output=True, text=True,
+                              timeout=300, cwd=ROOT)
+
+    paths = [str(write_job(jobs, f"p{i}", p, "cache", tiny_model)) for i, p in enumerate(["calm", "calm", "happy"])]
+    filled = cli("prompts", "encode", *paths, str(jobs / "missing.yaml"))
+    assert filled.returncode == 2  # a bad job is bad input, as render says; the good ones are still encoded
+    summary = json.loads(filled.stdout.splitlines()[-1])
+    assert {"jobs": 4, "distinct": 2, "new": 2, "cached": 0, "bad": 1}.items() <= summary.items()
+    assert any("missing.yaml" in json.loads(line).get("message", "") for line in filled.stdout.splitlines())
+    done = cli("render", paths[2], "--force")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1])["text_cache"] == "hit"  # the encoder was skipped (see above)
