@@ -114,7 +114,7 @@ def test_cached_job_does_not_load_the_text_encoder(jobs, tiny_model, count_encod
     said = [n for n in notes.notes if "text cache" in n]
     assert len(said) == 1 and str(entry) in said[0] and again["text_cache"] == "miss"
     assert again["frames_digest"] == other["frames_digest"] and count_encodes[-1] == "happy"
-    assert render(write_job(jobs, "after", "happy", "cache", tiny_model))["text_cache"] == "hit"
+    assert prompts.store.read(prompts.key("happy"))[1] is None  # rewritten whole
 
 
 def mini_prompts(folder: Path, model: Path, notes: list[str]) -> tuple[PromptCache, ModelView]:
@@ -265,3 +265,15 @@ def test_prompts_encode_then_render_does_not_load_the_encoder(jobs, tiny_model):
     done = cli("render", paths[2], "--force")
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.splitlines()[-1])["text_cache"] == "hit"  # the encoder was skipped (see above)
+
+
+def test_two_ranks_agree_on_a_cached_prompt(jobs, tiny_model):
+    """Rank 0 reads the entry and hands it to rank 1: both skip the encoder (or neither), same frames as 1 rank."""
+    one = render(write_job(jobs, "one", "calm", "cache", tiny_model))  # fills the cache
+    r = subprocess.run([sys.executable, "-m", "avatar_cli", "render", str(write_job(jobs, "two", "calm", "cache",
+                                                                                     tiny_model)),
+                        "--json", "--nproc", "2"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    two = json.loads(r.stdout.splitlines()[-1])
+    assert (one["text_cache"], two["text_cache"], two["ranks"]) == ("miss", "hit", 2)
+    assert two["frames_digest"] == one["frames_digest"]
