@@ -305,15 +305,15 @@ def causal_forward(model: WanS2VDiT, caches: CausalCaches, step: int, x: torch.T
 @torch.no_grad()
 def stream_block(model: WanS2VDiT, caches: CausalCaches, noise: torch.Tensor, block_index: int,
                  context: torch.Tensor, audio: torch.Tensor, sink_offsets: int | Sequence[int],
-                 cond: torch.Tensor | None = None) -> torch.Tensor:
+                 cond: torch.Tensor | None = None, shift: float = 3.0) -> torch.Tensor:
     """Denoise one block: their Euler steps from `noise` (16, 3, h, w), step i through caches' ring i, every frame
     at timestep t_i, no guidance. context (L, text_dim); audio (1, 25, C_a, 12) the block's wav2vec2 frames;
-    sink_offsets one per step (an int: the same for all). The sink must be prefilled. -> latents (16, 3, h, w) in
-    the noise's dtype."""
+    sink_offsets one per step (an int: the same for all); shift the schedule's (theirs hard-codes 3). The sink must
+    be prefilled. -> latents (16, 3, h, w) in the noise's dtype."""
     offsets = [sink_offsets] * caches.steps if isinstance(sink_offsets, int) else list(sink_offsets)
     if len(offsets) != caches.steps:
         raise ValueError(f"stream_block: {len(offsets)} sink offsets for {caches.steps} steps")
-    timesteps, sigmas = euler_schedule(caches.steps)
+    timesteps, sigmas = euler_schedule(caches.steps, shift)
     sig = torch.tensor(sigmas, dtype=torch.float32, device=noise.device)  # (steps + 1,)
     inputs = block_inputs(model, context, audio, noise.shape[1])
     x = noise
