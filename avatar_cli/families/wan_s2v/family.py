@@ -260,20 +260,28 @@ class WanS2VFamily(Family):
         # A timeline's first latent (the reference) makes 1 frame, which is dropped with the LEAD after it.
         skip = 1 + LEAD if cache is None else 0
         z = final.z.transpose(0, 1)[None]  # (1, 16, n, h, w)
+        # Fewer frames kept than the clip makes: the video's last clip. Decode only what is published and make
+        # no motion latents: nothing follows it.
+        n = z.shape[2]
+        last = final.frames < (4 * (n - 1) - LEAD if skip else 4 * n)
         made, tail = 0, None
-        for i in range(0, z.shape[2], PUT_LATENTS):
+        for i in range(0, n, PUT_LATENTS):
+            if last and made >= final.frames:
+                break
             x, cache = vae.decode_stream(z[:, :, i:i + PUT_LATENTS], cache)  # (1, 3, T, H, W) float32
             x = x[0].transpose(0, 1)  # (T, 3, H, W)
-            tail = x[-keep_last:] if tail is None else torch.cat([tail, x])[-keep_last:]  # (<=73, 3, H, W)
+            if not last:
+                tail = x[-keep_last:] if tail is None else torch.cat([tail, x])[-keep_last:]  # (<=73, 3, H, W)
             x, skip = x[skip:], max(0, skip - x.shape[0])
-            n = min(x.shape[0], final.frames - made)
-            if n > 0:
-                put(x[:n])
-                made += n
+            k = min(x.shape[0], final.frames - made)
+            if k > 0:
+                put(x[:k])
+                made += k
         _cache_to(state, cache)
-        # The official videos_last_frames: the last 73 frames (every clip has at least 73 after its drop),
-        # re-encoded from a fresh encoder cache into the next clip's 19 motion latents.
-        state.tensors["motion"] = vae.encode(tail.transpose(0, 1)[None])[0].contiguous()  # (16, 19, h, w) float32
+        if not last:
+            # The official videos_last_frames: the last 73 frames (every clip has at least 73 after its drop),
+            # re-encoded from a fresh encoder cache into the next clip's 19 motion latents.
+            state.tensors["motion"] = vae.encode(tail.transpose(0, 1)[None])[0].contiguous()  # (16, 19, h, w)
         return made
 
 
