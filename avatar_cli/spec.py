@@ -44,6 +44,12 @@ class Offload(str, Enum):
     block = "block"
 
 
+class Shard(str, Enum):
+    auto = "auto"
+    shard = "shard"
+    replicate = "replicate"
+
+
 class Reshard(str, Enum):
     per_block = "per_block"
     per_stage = "per_stage"
@@ -88,6 +94,7 @@ class RuntimeSpec:
     threads: int = 0  # torch CPU threads; 0 = one per core
     offload: Offload = Offload.auto  # GPU: where idle models wait (auto decides from free GPU memory)
     reshard: Reshard = Reshard.per_block  # several GPUs: FSDP2 reshards after each block, or after each stage
+    shard: Shard = Shard.auto  # several GPUs: shard the big models (FSDP2) or replicate them; auto: from memory
     text_cache: str = "auto"  # prompt encodings: auto (user cache folder) | off | a folder (pipeline/text_cache.py)
 
 
