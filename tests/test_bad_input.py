@@ -100,7 +100,8 @@ def test_bad_spec(job_dir, override, needle):
 CHOICES = [("video.codec", "h265", "auto, libx264, h264_nvenc"), ("runtime.device", "tpu", "auto, cpu, cuda"),
            ("runtime.dtype", "int8", "auto, float32, bfloat16, float16"),
            ("runtime.offload", "disk", "auto, none, model, block"),
-           ("runtime.reshard", "never", "per_block, per_stage")]
+           ("runtime.reshard", "never", "per_block, per_stage"),
+           ("runtime.shard", "sometimes", "auto, shard, replicate")]
 
 
 def test_choices_cover_every_enum_key():
