@@ -110,6 +110,10 @@ def prepare(job: Job, force: bool = False) -> Prepared:
         raise InputError(f"audio: {job.audio}: {audio.duration_s * 1000:.1f} ms is shorter than one frame at {fps:g} fps")
     model = resolve_model(job.model, job.path.parent)
     check_model(model)
+    if job.spec.mode != model.mode:
+        from avatar_cli.modules.registry import with_mode
+
+        model = with_mode(model, job.spec.mode)
     if job.lora is not None:  # its headers against the DiT built on meta: a wrong file is exit 2 before any load
         from avatar_cli.modules.registry import with_lora
 

@@ -106,6 +106,7 @@ class JobSpec:
     prompt: str = ""
     seed: int = 0
     model: str = "mini"
+    mode: str = "clip"  # wan-s2v: clip (the official clip loop) | streaming (LiveAvatar's 4-step blocks)
     # A LoRA merged into the model's DiT once at load (wan-s2v: LiveAvatar's liveavatar.safetensors), a path
     # relative to the job file like `model`; its factors must have rank lora_rank; W <- W + lora_scale · B @ A
     # (None: LiveAvatar's alpha 64 / rank 128 = 0.5; the file carries no alpha, so another rank must set it).
@@ -210,7 +211,7 @@ def load_job(job_path: str | Path, overrides: list[str] | None = None, output: s
         return cfg
 
     cfg = merged(layers)
-    family = _family_defaults(cfg.model, Path.cwd() if "model" in cli_keys else path.resolve().parent)
+    family = _family_defaults(cfg.model, Path.cwd() if "model" in cli_keys else path.resolve().parent, cfg.mode)
     if family:
         name, values = family
         layers.insert(1 if defaults.is_file() else 0, (OmegaConf.from_dotlist(
@@ -238,12 +239,12 @@ def load_job(job_path: str | Path, overrides: list[str] | None = None, output: s
                lora=resolve("lora", spec.lora) if spec.lora is not None else None)
 
 
-def _family_defaults(model: str, base: Path) -> tuple[str, dict] | None:
+def _family_defaults(model: str, base: Path, mode: str) -> tuple[str, dict] | None:
     """(family name, its job defaults) of the job's model, or None when it has none or the model does not
     resolve (prepare() then says why, with exit 2)."""
     from avatar_cli.modules.registry import family_defaults  # local import, as below
 
-    return family_defaults(model, base)
+    return family_defaults(model, base, mode)
 
 
 def _shipped_names() -> set[str]:

@@ -229,3 +229,17 @@ def test_two_ranks_match_one(one_rank, tmp_path: Path):
     diff = np.abs(a - b)
     # Measured: 4e-5 of the values differ, by at most 4 (a 1-level RGB change through yuv420).
     assert (diff > 0).mean() < 1e-3 and diff.max() <= 6, ((diff > 0).mean(), diff.max())
+
+
+def test_streaming_mode_from_the_job_spec(one_rank, tmp_path: Path):
+    """`mode: streaming` renders LiveAvatar's blocks (live.py): the first block 9 frames, then 12 each, the same
+    length; a mode the family lacks, or guidance in streaming mode, is a spec error."""
+    folder, _ = one_rank
+    job = str(folder / "job.yaml")
+    result = cli("render", job, "mode=streaming", "-o", str(tmp_path / "live.mp4"), "--json")
+    assert result.returncode == 0, result.stderr
+    chunks = [e for e in events(result.stdout) if e["event"] == "chunk"]
+    assert [(c["start"], c["end"]) for c in chunks[:3]] == [(0, 9), (9, 21), (21, 33)]
+    assert events(result.stdout)[-1]["frames"] == 101 and chunks[-1]["end"] == 101
+    bad = cli("validate", job, "mode=streaming", "sampling.guidance=4.5")
+    assert bad.returncode == 2 and "without guidance" in bad.stderr

@@ -32,6 +32,7 @@ class ModelSource:
     path: Path | None  # None: no weights on disk, a seeded random init stands in
     # A LoRA merged into the DiT at load (wan-s2v's lora.LoraMerge: the checked file and its scale), from the job
     lora: Any = None
+    mode: str = "clip"  # wan-s2v: "clip" (the official clip loop) or "streaming" (LiveAvatar's blocks)
 
     @property
     def trained(self) -> bool:
@@ -43,13 +44,13 @@ class ModelSource:
 
     @property
     def family_name(self) -> str:
-        return "mini" if isinstance(self.config, FamilyConfig) else self.config_family.name
+        return "mini" if isinstance(self.config, FamilyConfig) else "wan-s2v"
 
     @cached_property
     def config_family(self) -> Family:
-        from avatar_cli.families.wan_s2v.family import WanS2VFamily
+        from avatar_cli.families.wan_s2v.live import family_for_mode
 
-        return WanS2VFamily(self.config)
+        return family_for_mode(self.config, self.mode)
 
     @cached_property
     def family(self) -> Family:
@@ -111,11 +112,22 @@ def with_lora(source: ModelSource, path: Path, rank: int, scale: float | None) -
     return dataclasses.replace(source, lora=checked_lora(source.config.dit, path, rank, scale))
 
 
-def family_defaults(model: str, base_dir: Path) -> tuple[str, dict[str, Any]] | None:
+def with_mode(source: ModelSource, mode: str) -> ModelSource:
+    """The source rendering in the job's generation mode (InputError for a mode its family lacks)."""
+    if mode == source.mode:
+        return source
+    if source.family_name != "wan-s2v":
+        raise InputError(f"mode: '{mode}': the {source.family_name} family renders in clip mode only")
+    if mode not in ("clip", "streaming"):
+        raise InputError(f"mode: '{mode}': the wan-s2v family renders in clip or streaming mode")
+    return dataclasses.replace(source, mode=mode)
+
+
+def family_defaults(model: str, base_dir: Path, mode: str = "clip") -> tuple[str, dict[str, Any]] | None:
     """(family name, its job defaults) for the job spec, or None: mini (whose defaults are configs/default.yaml)
-    or a model that does not resolve (prepare() reports that)."""
+    or a model or mode that does not resolve (prepare() reports that)."""
     try:
-        source = resolve_model(model, base_dir)
+        source = with_mode(resolve_model(model, base_dir), mode)
     except InputError:
         return None
     values = source.family.job_defaults()

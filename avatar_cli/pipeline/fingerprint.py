@@ -21,6 +21,10 @@ def spec_digest(job: Job) -> str:
     for key in ("reference", "audio"):
         spec[key] = str(getattr(job, key))
     spec["model"] = job.model
+    if spec.get("mode") == "clip":  # the default: such a job digests as before the key existed
+        spec.pop("mode")
+    if spec["runtime"].get("shard") == "auto":  # the default, as for mode
+        spec["runtime"].pop("shard")
     spec["runtime"].pop("text_cache")  # where prompt encodings are cached changes no frame (pipeline/text_cache.py)
     if job.lora is None:  # rank and scale mean nothing without a LoRA: such a job digests as before these keys
         for key in LORA_KEYS:
