@@ -1,5 +1,6 @@
 """Shared fixtures: a tiny model directory of the real architecture, and small generated inputs."""
 
+import os
 import wave
 from pathlib import Path
 
@@ -29,6 +30,13 @@ def write_reference(path: Path, width: int = 120, height: int = 160) -> Path:
     img[height // 4: 3 * height // 4, width // 4: 3 * width // 4] = 255
     save_png(path, img)
     return path
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_cache_folder(tmp_path_factory) -> None:
+    """The text-encoding cache defaults to the user's cache folder: tests (and the renders they start) get a
+    folder of their own instead, so they neither read nor leave entries there."""
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg_cache"))
 
 
 @pytest.fixture(scope="session")
