@@ -50,6 +50,18 @@ class Shard(str, Enum):
     replicate = "replicate"
 
 
+class Parallel(str, Enum):
+    auto = "auto"
+    sequence = "sequence"
+    steps = "steps"
+
+
+class Decode(str, Enum):
+    auto = "auto"
+    inline = "inline"
+    worker = "worker"
+
+
 class Reshard(str, Enum):
     per_block = "per_block"
     per_stage = "per_stage"
@@ -88,6 +100,16 @@ class ChunkingSpec:
 
 
 @dataclass
+class TextServiceSpec:
+    """`avatar serve text` somewhere: prompt encodings fetched from it (the text cache in front)."""
+
+    url: Optional[str] = None  # e.g. http://127.0.0.1:8765; None: encode in the render process
+    fallback: bool = False  # the service down or answering garbage: encode locally, with a note (else: an error)
+    timeout_s: float = 30.0  # per request
+    retries: int = 2  # further attempts after a failed request (connection errors, 5xx), with backoff
+
+
+@dataclass
 class RuntimeSpec:
     device: Device = Device.auto
     dtype: DType = DType.auto  # auto: bfloat16 on CUDA and on CPUs with native bf16, else float32
@@ -96,6 +118,14 @@ class RuntimeSpec:
     reshard: Reshard = Reshard.per_block  # several GPUs: FSDP2 reshards after each block, or after each stage
     shard: Shard = Shard.auto  # several GPUs: shard the big models (FSDP2) or replicate them; auto: from memory
     text_cache: str = "auto"  # prompt encodings: auto (user cache folder) | off | a folder (pipeline/text_cache.py)
+    # Several ranks: how they split the work. sequence: every rank works on every chunk (Ulysses over heads);
+    # steps: the timestep pipeline of the wan-s2v streaming mode (rank 0 decodes, rank i runs denoising step i);
+    # auto: chosen per rank count and mode, said in one log line.
+    parallel: Parallel = Parallel.auto
+    # The VAE decode and the MP4 encoder: inline (in the render process) | worker (their own process, fed through a
+    # bounded shared-memory queue while the DiT goes on) | auto (worker where it pays, inline otherwise).
+    decode: Decode = Decode.auto
+    text_service: TextServiceSpec = field(default_factory=TextServiceSpec)
 
 
 @dataclass

@@ -101,7 +101,9 @@ CHOICES = [("video.codec", "h265", "auto, libx264, h264_nvenc"), ("runtime.devic
            ("runtime.dtype", "int8", "auto, float32, bfloat16, float16"),
            ("runtime.offload", "disk", "auto, none, model, block"),
            ("runtime.reshard", "never", "per_block, per_stage"),
-           ("runtime.shard", "sometimes", "auto, shard, replicate")]
+           ("runtime.shard", "sometimes", "auto, shard, replicate"),
+           ("runtime.parallel", "tensor", "auto, sequence, steps"),
+           ("runtime.decode", "gpu", "auto, inline, worker")]
 
 
 def test_choices_cover_every_enum_key():

@@ -25,7 +25,9 @@ def spec_digest(job: Job) -> str:
         spec.pop("mode")
     if spec["runtime"].get("shard") == "auto":  # the default, as for mode
         spec["runtime"].pop("shard")
-    spec["runtime"].pop("text_cache")  # where prompt encodings are cached changes no frame (pipeline/text_cache.py)
+    # Where prompt encodings come from, how ranks split the work and which process decodes change no frame.
+    for key in ("text_cache", "text_service", "parallel", "decode"):
+        spec["runtime"].pop(key)
     if job.lora is None:  # rank and scale mean nothing without a LoRA: such a job digests as before these keys
         for key in LORA_KEYS:
             spec.pop(key)

@@ -102,8 +102,6 @@ class LiveAvatarFamily(WanS2VFamily):
     chunks; its own defaults, reference conditioning, denoising and decode."""
 
     mode = "streaming"
-    needs = {"reference": ("vae",), "prompt": ("text",), "context": ("audio",), "denoise": ("dit",),
-             "refine": (), "decode": ("vae",)}
     decode_feeds_back = False  # the rolled sink frame is a denoised latent, not a decoded frame
 
     @property
