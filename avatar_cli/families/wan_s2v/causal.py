@@ -313,14 +313,25 @@ def stream_block(model: WanS2VDiT, caches: CausalCaches, noise: torch.Tensor, bl
     offsets = [sink_offsets] * caches.steps if isinstance(sink_offsets, int) else list(sink_offsets)
     if len(offsets) != caches.steps:
         raise ValueError(f"stream_block: {len(offsets)} sink offsets for {caches.steps} steps")
-    timesteps, sigmas = euler_schedule(caches.steps, shift)
-    sig = torch.tensor(sigmas, dtype=torch.float32, device=noise.device)  # (steps + 1,)
     inputs = block_inputs(model, context, audio, noise.shape[1])
     x = noise
-    for i, t in enumerate(timesteps):
-        t_frames = torch.full((noise.shape[1],), t, dtype=torch.float32, device=noise.device)  # (F,)
-        v = causal_forward(model, caches, i, x, t_frames, block_index, inputs, offsets[i], cond)  # (16, F, h, w)
-        # Euler in fp32 as diffusers' step, the result in the noise's dtype: theirs casts to the model output's
-        # dtype, bf16 in their runs (our head returns fp32, as the official S2V head does).
-        x = (x.float() + (sig[i + 1] - sig[i]) * v).to(noise.dtype)  # (16, F, h, w)
+    for i in range(caches.steps):
+        x = euler_step(model, caches, i, caches.steps, x, block_index, inputs, offsets[i], cond, shift)
     return x
+
+
+@torch.no_grad()
+def euler_step(model: WanS2VDiT, caches: CausalCaches, step: int, steps: int, x: torch.Tensor, block_index: int,
+               inputs: BlockInputs, sink_offset: int, cond: torch.Tensor | None = None, shift: float = 3.0,
+               ring: int | None = None) -> torch.Tensor:
+    """Step `step` of the `steps`-step schedule on block `block_index`: one forward at t_step through ring `ring`
+    (default: `step`; a timestep-pipeline rank holds its own step's ring only, ring 0), then the Euler update.
+    x (16, F, h, w) -> (16, F, h, w) in x's dtype."""
+    timesteps, sigmas = euler_schedule(steps, shift)
+    sig = torch.tensor(sigmas, dtype=torch.float32, device=x.device)  # (steps + 1,)
+    t_frames = torch.full((x.shape[1],), timesteps[step], dtype=torch.float32, device=x.device)  # (F,)
+    v = causal_forward(model, caches, step if ring is None else ring, x, t_frames, block_index, inputs, sink_offset,
+                       cond)  # (16, F, h, w)
+    # Euler in fp32 as diffusers' step, the result in x's dtype: theirs casts to the model output's dtype, bf16 in
+    # their runs (our head returns fp32, as the official S2V head does).
+    return (x.float() + (sig[step + 1] - sig[step]) * v).to(x.dtype)  # (16, F, h, w)
