@@ -23,7 +23,8 @@ from avatar_cli.media.writer import Mp4Writer, resolve_codec
 from avatar_cli.modules.module import Module
 from avatar_cli.modules.registry import ModelSource, check_model, load_modules, resolve_model
 from avatar_cli.pipeline import checkpoint as ckpt
-from avatar_cli.pipeline import text_cache
+from avatar_cli.pipeline import decode_worker, text_cache
+from avatar_cli.pipeline.decode_worker import DecodeWorker
 from avatar_cli.pipeline.fingerprint import describe_change, job_fingerprint
 from avatar_cli.pipeline.run import ChunkDone, Pipeline, ResumeFrom, Stretch
 from avatar_cli.pipeline.schedule import num_frames
@@ -123,6 +124,7 @@ def prepare(job: Job, force: bool = False) -> Prepared:
         model.family.check_job(job.spec.chunking, Sampling(sp.steps, sp.guidance, sp.shift))
     except ValueError as e:
         raise InputError(f"{job.path}: {e}") from None
+    decode_worker.check_setting(job.spec.runtime.decode.value, model.family)
     check_output(job.output, force)
     v = job.spec.video
     requested = (v.width, v.height) if v.width else None
@@ -320,13 +322,20 @@ def _render_locked(p: Prepared, reporter: Reporter, models: ModelCache | None, r
     chunks = pipeline.schedule(spec, frames)
 
     first_put = resume_from.state.published if resume_from else 0
-    writer: Mp4Writer | None = None  # ranks other than 0 compute, but write (and decode) nothing
+    writer: Mp4Writer | DecodeWorker | None = None  # ranks other than 0 compute, but write (and decode) nothing
     if main:
-        writer = Mp4Writer(partial, width=p.size[0], height=p.size[1], fps=spec.video.fps, total_frames=frames,
-                           audio_path=str(p.job.audio),
-                           codec=resolve_codec(spec.video.codec.value, str(runtime.device)),
-                           crf=spec.video.crf, preset=spec.video.preset, metadata={"comment": output_tag(fingerprint)},
-                           resume_from=source, resume_frames=copy_to, first_put=first_put)
+        args = dict(width=p.size[0], height=p.size[1], fps=spec.video.fps, total_frames=frames,
+                    audio_path=str(p.job.audio), codec=resolve_codec(spec.video.codec.value, str(runtime.device)),
+                    crf=spec.video.crf, preset=spec.video.preset, metadata={"comment": output_tag(fingerprint)},
+                    resume_from=source, resume_frames=copy_to, first_put=first_put)
+        decode, why = decode_worker.choose(spec.runtime.decode.value, p.model.family, runtime)
+        if decode == "worker":  # it decodes and owns the MP4 writer; its startup overlaps the first chunk
+            writer = DecodeWorker(p.model, runtime, dist.world_size, str(partial), args, p.size)
+            reporter.info(f"decode: worker ({why}), pid {writer.pid} on {writer.device}")
+        else:
+            writer = Mp4Writer(partial, **args)
+            if spec.runtime.decode.value == "auto":
+                reporter.info(f"decode: inline ({why})")
     saver = ckpt.CheckpointWriter(partial, checkpoint)
     reader = AudioWindowReader(p.job.audio, sample_rate=p.model.family.geometry.sample_rate, info=p.audio)
     for warning in p.warnings if main else []:

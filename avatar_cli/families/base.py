@@ -148,6 +148,12 @@ class Family(ABC):
     # only the one that writes the file, and the decode step may update the rolling state.
     decode_feeds_back: ClassVar[bool] = False
 
+    def is_decode_state(self, name: str) -> bool:
+        """Whether the rolling-state tensor `name` is the decode step's own (its causal cache): `decode` reads and
+        writes no other tensor, and no other step reads these. runtime.decode=worker keeps them in the worker
+        process, which checks after each decode that every tensor it holds is declared here."""
+        return False
+
     def job_defaults(self) -> dict[str, Any]:
         """Job-spec values this family renders with unless the job sets them ("sampling.steps": 40, ...)."""
         return {}

@@ -11,6 +11,7 @@ import torch
 
 from avatar_cli.families.base import AudioSource, Chunk, Family, Final, RollingState, Sampling
 from avatar_cli.modules.module import Module
+from avatar_cli.pipeline.decode_worker import DecodeWorker
 from avatar_cli.runtime.device import Runtime
 from avatar_cli.runtime.placement import Placement
 from avatar_cli.spec import JobSpec
@@ -95,7 +96,8 @@ class Pipeline:
         """image (3, H, W) in [-1, 1] at the family's native size; size (width, height) of the output frames.
 
         sink None: a rank other than 0 under torchrun, which writes nothing; it runs every stage whose
-        work the ranks share or split, and skips the VAE decode.
+        work the ranks share or split, and skips the VAE decode. sink a DecodeWorker (runtime.decode=worker): the
+        worker process decodes and writes each published stretch while this loop goes on with the next chunk.
 
         With `resume`, the schedule continues at `resume.next_chunk` from the saved rolling state.
         """
@@ -113,6 +115,7 @@ class Pipeline:
         fps, s = spec.video.fps, spec.sampling
         sampling = Sampling(s.steps, s.guidance, s.shift)
         chunks = self.schedule(spec, total_frames)
+        worker = sink if isinstance(sink, DecodeWorker) else None  # runtime.decode=worker: decodes and writes
         first = resume.next_chunk if resume else 0
         state = resume.state if resume else RollingState()
         if first < len(chunks):
@@ -146,10 +149,18 @@ class Pipeline:
             if final is not None:
                 # A rank that writes nothing skips the decode (its frames would be thrown away), unless the family
                 # conditions later chunks on decoded frames: then every rank decodes, and only rank 0 keeps them.
-                decodes = sink is not None or self.family.decode_feeds_back
+                # With a decode worker the worker decodes (the family does not feed back there).
+                decodes = (sink is not None and worker is None) or self.family.decode_feeds_back
                 after_sr = self.publish.needs if decodes else self.context.needs
                 with timer("sr"), stage(self.sr.needs, then=after_sr):
                     final = Final(final.start, final.end, self.sr.run(final.z, ref))
+                if worker is not None:
+                    # Handed over; its resume point is saved once the worker has written it (acknowledged).
+                    state.published += final.frames
+                    for a in worker.submit(final, i + 1, state):
+                        on_stretch(Stretch(a.next_chunk, a.start, a.end, a.digest, a.state))
+                    on_chunk(ChunkDone(chunk, time.perf_counter() - t0, state.published))
+                    continue
                 hashing = HashingSink(sink) if sink is not None else None
                 if not decodes:
                     n = final.frames
@@ -163,6 +174,14 @@ class Pipeline:
                 on_stretch(Stretch(i + 1, state.published - n, state.published, digest, state))
             on_chunk(ChunkDone(chunk, time.perf_counter() - t0, state.published))
 
+        if worker is not None:
+            for a in worker.drain():
+                on_stretch(Stretch(a.next_chunk, a.start, a.end, a.digest, a.state))
+            if worker.first_put is not None:
+                ttff = worker.first_put - t0  # perf_counter is system-wide (CLOCK_MONOTONIC): the worker's is ours
+            # The worker's decode seconds (overlapping the chunks after), and the seconds this loop waited on it.
+            timer.seconds["decode"] += worker.decode_s
+            timer.seconds["decode_wait"] += worker.wait_s
         return RenderStats(frames=state.published, wall_s=time.perf_counter() - t0,
                            ttff_s=ttff if ttff is not None else 0.0, compute_s=dict(timer.seconds),
                            flops=dict(timer.flops) if timer.flops is not None else None)

@@ -151,6 +151,9 @@ class MiniFamily(Family):
         """z_lo (T, C, h, w) -> z_hi (T, C, 2h, 2w): one step of latent super-resolution, reference in view."""
         return models["sr"](z.contiguous(memory_format=torch.channels_last), ref["ref_hi"])
 
+    def is_decode_state(self, name: str) -> bool:
+        return name == "decode_cache"
+
     def decode(self, models: Models, final: Final, state: RollingState,
                put: Callable[[torch.Tensor], None]) -> int:
         """final.z (T, C, H/f, W/f): one latent per frame; the decoder's causal cache is the last latent decoded."""

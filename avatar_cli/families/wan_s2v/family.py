@@ -250,6 +250,11 @@ class WanS2VFamily(Family):
 
     # --- decode ------------------------------------------------------------------------------------------
 
+    def is_decode_state(self, name: str) -> bool:
+        """The decoder cache (`vae.*`), in both modes. The clip mode's `motion` is made by the decode too, but read by
+        the next clip's context: that mode feeds back (decode_feeds_back) and never decodes in a worker."""
+        return name.startswith("vae.")
+
     def decode(self, models: Models, final: Final, state: RollingState,
                put: Callable[[torch.Tensor], None]) -> int:
         """final.z: whole clips' latents in order, (n, 16, h, w); the first clip's start with the reference latent.

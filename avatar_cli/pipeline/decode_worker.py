@@ -1,0 +1,423 @@
+"""runtime.decode=worker: the VAE decode and the MP4 encoder in a process of their own, fed by a bounded queue.
+
+The render process hands each published stretch (its latents after super-resolution) to the worker through one
+of DEPTH preallocated shared-memory slots and goes on with the next chunk; it blocks only when every slot is still
+in flight, so the queue's depth, not the video's length, bounds the memory the handoff holds. The worker loads only
+the decode step's components (`family.needs["decode"]`), keeps the decoder's causal cache (the rolling-state
+tensors `family.is_decode_state` names) from stretch to stretch, decodes, writes the frames to the MP4, hashes them
+as the inline HashingSink does, and acknowledges each stretch with its digest and a snapshot of the decoder cache
+(in the slot's own shared-memory buffer). The render process saves a stretch's resume point only on its
+acknowledgment: its own rolling state as it was when it sent the stretch (kept until then: at most DEPTH snapshots),
+plus the worker's cache. The checkpoint is the inline one, so a render resumes in either mode.
+
+Faults: a worker that dies is seen at the next stretch handed over (or while waiting on one) and stops the render
+with a RenderError naming it; an error inside the worker comes back as a RenderError naming it. The worker polls its
+parent and exits at once, writing nothing more, when the render process is gone. Ctrl-C and SIGTERM reach the whole
+process group: the worker ignores both and lets the render process stop it (its abort keeps the partial file
+playable).
+
+Why DEPTH = 2: one stretch decoding in the worker while the next is already waiting, so the worker never idles on
+the handoff itself; the throughput is min(DiT, decode) either way, and a deeper queue would only hold more latents
+(and more rolling-state snapshots) without more overlap. Two absorbs the alternation of long N and short I stretches.
+
+Messages between the two processes are small tuples of numbers and strings on multiprocessing queues; every tensor
+travels through the shared-memory slots (torch's shared storage, handed over once, by file descriptor: no files).
+"""
+
+import os
+import queue
+import signal
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from avatar_cli.errors import AvatarError, InputError, RenderError
+from avatar_cli.families.base import Family, Final, ParallelPlan, RollingState
+from avatar_cli.runtime.device import Runtime
+
+DEPTH = 2  # stretches in flight: see the module docstring
+_ALIGN = 64  # byte offset of each tensor in a slot: any dtype's view of the flat buffer is then aligned
+_POLL_S = 0.1  # how often a waiting render process checks that the worker lives, and the worker its parent
+
+
+def check_setting(setting: str, family: Family) -> None:
+    """Raise InputError for a decode setting this family cannot run (called at prepare, before any load)."""
+    if setting == "worker" and family.decode_feeds_back:
+        raise InputError(f"runtime.decode: worker: the {family.name} family conditions later chunks on decoded "
+                         "frames (its decode feeds back), so its decode cannot run apart from the DiT; use inline "
+                         "or auto")
+
+
+def choose(setting: str, family: Family, runtime: Runtime) -> tuple[str, str]:
+    """("inline" | "worker", why). auto: the worker only where it pays, on CUDA (the decode overlaps the DiT's next
+    chunk on another device, or between its kernels); on a CPU both processes share the same cores, and measured on
+    2 cores the worker is slower than inline (bench/results.md, "decode worker")."""
+    if setting != "auto":
+        return setting, "asked for"
+    if family.decode_feeds_back:
+        return "inline", f"auto: the {family.name} family's later chunks need the decoded frames"
+    if not runtime.is_cuda:
+        return "inline", "auto: a CPU host, where the worker's decode competes with the DiT for the same cores"
+    return "worker", "auto: CUDA, and the family's decode does not feed back"
+
+
+def worker_device(runtime: Runtime, world_size: int) -> torch.device:
+    """Under torchrun with world_size ranks on cuda:0..world_size-1, the worker takes cuda:world_size when that many
+    + 1 GPUs are visible (a device of its own, as LiveAvatar gives its decode), else it shares rank 0's device."""
+    if runtime.is_cuda and torch.cuda.device_count() > world_size:
+        return torch.device("cuda", world_size)
+    return runtime.device
+
+
+# --- shared-memory slots ------------------------------------------------------------------------------------------
+
+Layout = list[tuple[str, str, tuple[int, ...], tuple[int, ...], int]]  # (name, dtype, shape, stride, byte offset)
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """t itself when its elements fill its storage span exactly (any dimension order), else a contiguous copy; the
+    slot keeps the strides, because the decoder's convolutions pick their kernels (and roundings) by memory layout."""
+    if t.numel() == 0 or t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last):
+        return t
+    span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return t if span == t.numel() and min(t.stride()) > 0 else t.contiguous()
+
+
+def _nbytes(tensors: Mapping[str, torch.Tensor]) -> int:
+    return sum(-(-t.numel() * t.element_size() // _ALIGN) * _ALIGN for t in tensors.values())
+
+
+def _shared_buffer(nbytes: int) -> torch.Tensor:
+    return torch.empty(max(nbytes, _ALIGN), dtype=torch.uint8).share_memory_()  # (nbytes,)
+
+
+def pack(buf: torch.Tensor, tensors: Mapping[str, torch.Tensor]) -> Layout:
+    """Copy `tensors` into the flat uint8 buffer (layouts kept); returns where each lies. The buffer must hold
+    _nbytes(tensors)."""
+    layout, offset = [], 0
+    for name, t in tensors.items():
+        t = _dense(t.detach())
+        n = t.numel() * t.element_size()
+        flat = buf[offset:offset + n].view(t.dtype)  # (numel,)
+        flat.as_strided(t.shape, t.stride()).copy_(t)
+        layout.append((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), tuple(t.stride()), offset))
+        offset += -(-n // _ALIGN) * _ALIGN
+    return layout
+
+
+def unpack(buf: torch.Tensor, layout: Layout) -> dict[str, torch.Tensor]:
+    """Views into the buffer (no copy): valid until the buffer is written again."""
+    out = {}
+    for name, dtype, shape, stride, offset in layout:
+        dt = getattr(torch, dtype)
+        n = 1
+        for d in shape:
+            n *= d
+        flat = buf[offset:offset + n * dt.itemsize].view(dt)  # (numel,)
+        out[name] = flat.as_strided(shape, stride)
+    return out
+
+
+# --- the render process's side ------------------------------------------------------------------------------------
+
+@dataclass
+class Acked:
+    """A stretch the worker decoded, wrote and hashed, with the rolling state to resume after it."""
+
+    next_chunk: int
+    start: int
+    end: int
+    digest: str
+    state: RollingState
+
+
+@dataclass
+class _Sent:
+    seq: int
+    slot: int
+    next_chunk: int
+    start: int
+    end: int
+    tensors: dict[str, torch.Tensor]  # the render process's own rolling tensors when it sent the stretch (CPU copies)
+    held: list[tuple[int, int, torch.Tensor]]
+    published: int
+
+
+class DecodeWorker:
+    """The render process's handle on the worker: `submit` stretches in timeline order, `drain` at the end, then
+    `close` (finish the MP4) or `abort` (after a failure: keep what was encoded). Rank 0 alone makes one."""
+
+    def __init__(self, source: Any, runtime: Runtime, world_size: int, writer_path: str, writer_args: dict,
+                 size: tuple[int, int], threads: int | None = None):
+        """source: the job's ModelSource; writer_path, writer_args: Mp4Writer's arguments (the worker owns it);
+        size: the output (width, height). threads: the worker's torch threads (default: the render process's, so
+        its CPU decode rounds as the inline one does)."""
+        self.family: Family = source.family
+        self.device = worker_device(runtime, world_size)
+        ctx = mp.get_context("spawn")  # never fork: the render process already runs torch's threads
+        self._inbox, self._outbox = ctx.Queue(), ctx.Queue()
+        self._slots: list[torch.Tensor] = [_shared_buffer(0) for _ in range(DEPTH)]
+        self._acks: list[torch.Tensor | None] = [None] * DEPTH  # the worker's cache buffers, one per slot
+        self._free = deque(range(DEPTH))
+        self._sent: deque[_Sent] = deque()
+        self._seq = 0
+        self._handed_cache = False
+        self._ready = False
+        self._closed = False
+        self.first_put: float | None = None  # perf_counter (system-wide monotonic) of the worker's first frame
+        self.decode_s = 0.0  # the worker's decode seconds
+        self.wait_s = 0.0  # the render process's seconds blocked on the queue
+        wrt = Runtime(self.device, runtime.dtype, runtime.dtype_reason)
+        self._proc = ctx.Process(target=_worker_main, name="avatar-decode", daemon=True, args=(
+            source, wrt, threads or torch.get_num_threads(), writer_path, writer_args, size, list(self._slots),
+            self._inbox, self._outbox, os.getpid()))
+        self._proc.start()
+        self.pid = self._proc.pid
+
+    # The render loop's calls.
+
+    def submit(self, final: Final, next_chunk: int, state: RollingState) -> list[Acked]:
+        """Hand the stretch `final` (refined latents) over; returns the stretches acknowledged meanwhile, in order.
+        Blocks while DEPTH stretches are in flight. `state` is the render process's rolling state after this
+        stretch (state.published counts it); its decode-owned tensors (a resumed render's decoder cache) go to the
+        worker with the first stretch and leave `state`."""
+        done = self._collect(block=False)
+        while not self._free:
+            done += self._collect(block=True)
+        slot = self._free.popleft()
+        tensors = {"z": final.z}
+        if not self._handed_cache:
+            own = [k for k in state.tensors if self.family.is_decode_state(k)]
+            tensors.update({f"state.{k}": state.tensors.pop(k) for k in own})
+            self._handed_cache = True
+        grown = None
+        need = _nbytes(tensors)
+        if self._slots[slot].numel() < need:
+            # Sized by the largest stretch so far (+25% for the next N chunk's): a handful of reallocations per
+            # render, each handed to the worker once with the stretch that needed it.
+            self._slots[slot] = grown = _shared_buffer(need + need // 4)
+        layout = pack(self._slots[slot], tensors)
+        self._seq += 1
+        mine = {k: v.detach().to("cpu", copy=True) for k, v in state.tensors.items() if v is not None}
+        self._sent.append(_Sent(self._seq, slot, next_chunk, final.start, final.end, mine, list(state.held),
+                                state.published))
+        self._inbox.put(("stretch", self._seq, slot, layout, final.start, final.end, grown))
+        return done
+
+    def drain(self) -> list[Acked]:
+        """Wait for every stretch in flight; returns their acknowledgments in order."""
+        done = []
+        while self._sent:
+            done += self._collect(block=True)
+        return done
+
+    # Mp4Writer's ending calls, as the runner makes them.
+
+    def close(self) -> None:
+        """Finish the MP4 (every stretch must be acknowledged: `drain` first) and stop the worker."""
+        self.drain()
+        self._inbox.put(("close",))
+        while True:
+            msg = self._next(block=True)
+            if msg[0] == "closed":
+                break
+        self._closed = True
+        self._proc.join(timeout=30)
+
+    def abort(self) -> None:
+        """After a failure: the worker drops what it has not encoded and closes the file with what it has; a worker
+        that does not answer within 30 s is killed (the fragmented MP4 stays playable either way)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._proc.is_alive():
+            self._inbox.put(("abort",))
+            deadline = time.monotonic() + 30
+            while self._proc.is_alive() and time.monotonic() < deadline:
+                try:
+                    if self._outbox.get(timeout=_POLL_S)[0] in ("aborted", "error"):
+                        break
+                except queue.Empty:
+                    pass
+            self._proc.join(timeout=max(0.0, deadline - time.monotonic()))
+            if self._proc.is_alive():
+                self._proc.kill()
+                self._proc.join()
+        for q in (self._inbox, self._outbox):
+            q.cancel_join_thread()  # a dead reader must not hold up this process's exit
+
+    # Internals.
+
+    def _collect(self, block: bool) -> list[Acked]:
+        done = []
+        while self._sent:
+            msg = self._next(block=block and not done)
+            if msg is None:
+                break
+            done.append(self._acked(msg))
+        return done
+
+    def _next(self, block: bool) -> tuple | None:
+        """The worker's next message ("ready" handled here); None when not blocking and nothing came. Raises the
+        worker's error, or RenderError when it is gone."""
+        t0 = time.perf_counter()
+        try:
+            while True:
+                try:
+                    msg = self._outbox.get(timeout=_POLL_S) if block else self._outbox.get_nowait()
+                except queue.Empty:
+                    if not self._proc.is_alive():
+                        self._raise_dead()
+                    if not block:
+                        return None
+                    continue
+                if msg[0] == "ready":
+                    self._ready = True
+                    continue
+                if msg[0] == "error":
+                    self._closed = True  # the worker aborted its writer and is exiting
+                    _, kind, text = msg
+                    raise (InputError if kind == "InputError" else RenderError)(f"decode worker: {text}")
+                return msg
+        finally:
+            self.wait_s += time.perf_counter() - t0 if block else 0.0
+
+    def _raise_dead(self) -> None:
+        try:  # what it put before dying is still readable
+            while True:
+                msg = self._outbox.get_nowait()
+                if msg[0] == "error":
+                    raise RenderError(f"decode worker: {msg[2]}")
+        except queue.Empty:
+            pass
+        self._proc.join(timeout=1)
+        code = self._proc.exitcode
+        how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
+        self._closed = True
+        raise RenderError(f"the decode worker (pid {self.pid}) died ({how}) "
+                          f"{'while rendering' if self._ready else 'while starting'}")
+
+    def _acked(self, msg: tuple) -> Acked:
+        _, seq, slot, layout, digest, grown, first_put, decode_s = msg
+        sent = self._sent.popleft()
+        assert sent.seq == seq, f"decode worker answered stretch {seq}, expected {sent.seq}"
+        if grown is not None:
+            self._acks[slot] = grown
+        cache = unpack(self._acks[slot], layout) if layout else {}
+        self._free.append(slot)
+        if self.first_put is None:
+            self.first_put = first_put
+        self.decode_s += decode_s
+        # Saved before this slot is written again (the checkpoint is written from on_stretch, synchronously).
+        state = RollingState(tensors={**sent.tensors, **cache}, held=sent.held, published=sent.published)
+        return Acked(sent.next_chunk, sent.start, sent.end, digest, state)
+
+
+# --- the worker process -------------------------------------------------------------------------------------------
+
+def _watch_parent(parent: int) -> None:
+    """No orphan keeps writing: once the render process is gone (re-parented), exit at once."""
+    while os.getppid() == parent:
+        time.sleep(_POLL_S)
+    os._exit(3)
+
+
+def _worker_main(source: Any, runtime: Runtime, threads: int, writer_path: str, writer_args: dict,
+                 size: tuple[int, int], slots: list[torch.Tensor], inbox: Any, outbox: Any, parent: int) -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)  # the render process decides when the worker stops (abort or close)
+    threading.Thread(target=_watch_parent, args=(parent,), daemon=True, name="parent-watch").start()
+    torch.set_num_threads(threads)
+    writer = None
+    try:
+        from avatar_cli.media.writer import Mp4Writer
+        from avatar_cli.modules.registry import load_modules
+        from avatar_cli.runtime.distributed import Dist
+        from avatar_cli.runtime.placement import place
+        from avatar_cli.stages.publish import DecodePublish
+
+        family: Family = source.family
+        skip = [c for c in family.components if c not in family.needs["decode"]]
+        modules = load_modules(source, skip=skip)
+        place(modules, runtime, Dist(), offload="none", plan=ParallelPlan(float32=family.parallel.float32))
+        publish = DecodePublish(family, modules, runtime)
+        writer = Mp4Writer(writer_path, **writer_args)
+        outbox.put(("ready", os.getpid()))
+        _serve(family, publish, runtime, writer, size, slots, inbox, outbox)
+    except BaseException as e:  # every failure goes back as one line; the writer keeps what it encoded
+        if writer is not None:
+            try:
+                writer.abort()
+            except Exception:
+                pass  # the first error is the one to report
+        kind = "InputError" if isinstance(e, InputError) else "RenderError"
+        text = str(e) if isinstance(e, AvatarError) else f"{type(e).__name__}: {e}"
+        outbox.put(("error", kind, text))
+    finally:
+        outbox.close()
+        outbox.join_thread()  # the last message reaches the pipe before the process exits
+
+
+def _serve(family: Family, publish: Any, runtime: Runtime, writer: Any, size: tuple[int, int],
+           slots: list[torch.Tensor], inbox: Any, outbox: Any) -> None:
+    from avatar_cli.pipeline.run import HashingSink
+
+    state = RollingState()
+    acks: list[torch.Tensor | None] = [None] * len(slots)
+    first_put: float | None = None
+    while True:
+        msg = inbox.get()
+        if msg[0] == "close":
+            writer.close()
+            outbox.put(("closed",))
+            return
+        if msg[0] == "abort":
+            writer.abort()
+            outbox.put(("aborted",))
+            return
+        _, seq, slot, layout, start, end, grown = msg
+        if grown is not None:
+            slots[slot] = grown
+        # Copies out of the slot: the decoder may keep views of its input (mini's cache is its last latent), and
+        # the render process writes the slot again once this stretch is acknowledged.
+        got = {k: v.clone() for k, v in unpack(slots[slot], layout).items()}
+        z = got.pop("z").to(runtime.device)
+        state.tensors.update({k.removeprefix("state."): v.to(runtime.device) for k, v in got.items()})
+        hashing = HashingSink(_FirstPut(writer))
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            publish.run(Final(start, end, z), state, hashing, size)
+        runtime.synchronize()
+        decode_s = time.perf_counter() - t0
+        first_put = first_put if first_put is not None else hashing.sink.first
+        stray = [k for k in state.tensors if not family.is_decode_state(k)]
+        if stray:
+            raise RenderError(f"the {family.name} family's decode keeps '{stray[0]}' in the rolling state, which its "
+                              "is_decode_state does not declare: the worker cannot carry it; use runtime.decode=inline")
+        cache = {k: v for k, v in state.tensors.items() if v is not None}
+        need = _nbytes(cache)
+        new = None
+        if cache and (acks[slot] is None or acks[slot].numel() < need):
+            acks[slot] = new = _shared_buffer(need)
+        layout = pack(acks[slot], cache) if cache else []
+        outbox.put(("done", seq, slot, layout, hashing.hash.hexdigest(), new, first_put, decode_s))
+
+
+class _FirstPut:
+    """The writer, noting when the first frame reached it (the render's time to first frame)."""
+
+    def __init__(self, writer: Any):
+        self.writer = writer
+        self.first: float | None = None
+
+    def put(self, frames: Any) -> None:
+        if self.first is None:
+            self.first = time.perf_counter()
+        self.writer.put(frames)
+
