@@ -28,6 +28,7 @@ from avatar_cli.pipeline.decode_worker import DecodeWorker
 from avatar_cli.pipeline.fingerprint import describe_change, job_fingerprint
 from avatar_cli.pipeline.run import ChunkDone, Pipeline, ResumeFrom, Stretch
 from avatar_cli.pipeline.schedule import num_frames
+from avatar_cli.pipeline.steps import choose_parallel, rank_skips
 from avatar_cli.report import Reporter, peak_rss_mb
 from avatar_cli.runtime.device import Runtime, cpu_info, dtype_name, resolve_runtime
 from avatar_cli.runtime.distributed import Dist, current_dist, launched_by_torchrun
@@ -49,6 +50,7 @@ class Prepared:
     frames: int
     size: tuple[int, int]  # output (width, height)
     gen_size: tuple[int, int]  # (width, height) the family generates at (the reference is fitted to it)
+    parallel: str = "single"  # how the ranks split the work: single | sequence | steps (pipeline/steps.py)
 
     @property
     def duration_s(self) -> float:
@@ -125,6 +127,10 @@ def prepare(job: Job, force: bool = False) -> Prepared:
     except ValueError as e:
         raise InputError(f"{job.path}: {e}") from None
     decode_worker.check_setting(job.spec.runtime.decode.value, model.family)
+    text_cache.check_service(job, model)  # a named text service: up and serving this model's encoder, else exit 2
+    if job.spec.runtime.parallel.value == "steps" and not model.family.step_pipeline:
+        raise InputError(f"{job.path}: runtime.parallel: steps: the {model.family.name} family's '{model.family.mode}' "
+                         "mode has no timestep pipeline (only the wan-s2v streaming mode has); use sequence or auto")
     check_output(job.output, force)
     v = job.spec.video
     requested = (v.width, v.height) if v.width else None
@@ -285,6 +291,14 @@ def render(p: Prepared, reporter: Reporter, models: ModelCache | None = None, re
     runtime, dist = setup_runtime(spec)
     main = dist.is_main
     frames = dist.agree(p.frames, "the frame count")
+    try:
+        parallel, why = choose_parallel(spec.runtime.parallel.value, p.model.family, spec.sampling.steps,
+                                        dist.world_size)
+    except ValueError as e:
+        raise InputError(str(e)) from None
+    if main and dist.enabled:
+        reporter.info(f"parallel: {parallel} ({why})")
+    p = replace(p, parallel=parallel)
     partial = p.job.partial_output
     fingerprint = job_fingerprint(p.job, p.model)
     if main:
@@ -313,11 +327,16 @@ def _render_locked(p: Prepared, reporter: Reporter, models: ModelCache | None, r
 
     # A prompt found in the text cache: its encoder is neither loaded nor placed.
     prompts = text_cache.job_prompts(spec.runtime.text_cache, p.job.path.parent, p.model, runtime.dtype,
-                                     reporter.info, write=main)
+                                     reporter.info, write=main, service=spec.runtime.text_service)
     cached = text_cache.ready(prompts, spec.prompt, runtime.device, dist)
-    modules, placement = (models or ModelCache()).get(p.model, runtime, dist, spec.runtime, reporter,
-                                                      skip=text_cache.skipped(prompts, spec.prompt))
-    pipeline = Pipeline(modules, p.model.family, runtime, placement, prompts=prompts)
+    # The timestep pipeline: each rank loads what its role runs and places it alone (nothing is sharded).
+    steps = p.parallel == "steps"
+    absent = rank_skips(p.model.family, dist.rank) if steps else set()
+    modules, placement = (models or ModelCache()).get(p.model, runtime, Dist() if steps else dist, spec.runtime,
+                                                      reporter, skip={*text_cache.skipped(prompts, spec.prompt),
+                                                                      *absent})
+    pipeline = Pipeline(modules, p.model.family, runtime, placement, prompts=prompts,
+                        steps_dist=dist if steps else None, absent=absent)
     image = fit_image(p.image, *p.gen_size)  # (3, H, W) in [-1, 1]
     chunks = pipeline.schedule(spec, frames)
 
@@ -403,7 +422,7 @@ def _render_locked(p: Prepared, reporter: Reporter, models: ModelCache | None, r
         "load_s": round(t_render - t_start, 4), "generate_s": round(gen_s, 4),
         "compute_s": {k: round(v, 4) for k, v in stats.compute_s.items()},
         "resumed_at": first_put, "frames_digest": checkpoint.frames_digest, "ranks": dist.world_size,
-        "text_cache": "hit" if cached else "miss" if prompts.enabled else "off",
+        "text_cache": text_cache.outcome(prompts, cached),
         "dtype": dtype_name(runtime.dtype), "dtype_reason": runtime.dtype_reason,
         "cpu_capability": cpu_info().capability,
     }

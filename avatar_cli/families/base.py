@@ -147,6 +147,10 @@ class Family(ABC):
     # Later chunks are conditioned on decoded frames (re-encoded motion pixels): then every rank decodes, not
     # only the one that writes the file, and the decode step may update the rolling state.
     decode_feeds_back: ClassVar[bool] = False
+    mode: ClassVar[str] = "clip"  # the generation mode this object renders (wan-s2v has two: clip, streaming)
+    # The chunk's denoising runs as separate steps on separate ranks (runtime.parallel: steps, pipeline/steps.py);
+    # such a family implements block_noise, denoise_step, block_latents and the step_* state methods.
+    step_pipeline: ClassVar[bool] = False
 
     def is_decode_state(self, name: str) -> bool:
         """Whether the rolling-state tensor `name` is the decode step's own (its causal cache): `decode` reads and

@@ -188,3 +188,18 @@ def random_module(name: str, model_cls: type[nn.Module], params: object, seed: i
             init()
     return Module(name, model, f"random init (seed {seed})")
 
+
+
+class _NotLoaded(nn.Module):
+    def __init__(self, name: str):
+        super().__init__()
+        self.component = name
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError(f"component '{self.component}' is not loaded on this rank")
+
+
+def not_loaded(name: str) -> Module:
+    """A stand-in for a component this rank never runs (the timestep pipeline's decode rank holds no DiT): the
+    stages that name it can be built; calling it raises, naming it."""
+    return Module(name, _NotLoaded(name), "not loaded on this rank")

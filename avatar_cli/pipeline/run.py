@@ -2,7 +2,7 @@
 
 import hashlib
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -10,7 +10,9 @@ import numpy as np
 import torch
 
 from avatar_cli.families.base import AudioSource, Chunk, Family, Final, RollingState, Sampling
-from avatar_cli.modules.module import Module
+from avatar_cli.modules.module import Module, not_loaded
+from avatar_cli.pipeline.steps import run_steps
+from avatar_cli.runtime.distributed import Dist
 from avatar_cli.pipeline.decode_worker import DecodeWorker
 from avatar_cli.runtime.device import Runtime
 from avatar_cli.runtime.placement import Placement
@@ -73,8 +75,13 @@ class RenderStats:
 
 class Pipeline:
     def __init__(self, modules: Mapping[str, Module], family: Family, runtime: Runtime,
-                 placement: Placement | None = None, count_flops: bool = False, prompts: "PromptCache | None" = None):
-        """prompts: the text cache's PromptCache for this model (pipeline/text_cache.py), or None: encode."""
+                 placement: Placement | None = None, count_flops: bool = False, prompts: "PromptCache | None" = None,
+                 steps_dist: Dist | None = None, absent: Collection[str] = ()):
+        """prompts: the text cache's PromptCache for this model (pipeline/text_cache.py), or None: encode.
+        steps_dist: run the timestep pipeline over these ranks (pipeline/steps.py); absent: components this rank
+        does not load there (a stage that would use one fails saying so)."""
+        modules = {**{n: not_loaded(n) for n in absent}, **modules}
+        self.steps_dist = steps_dist
         self.family = family
         self.count_flops = count_flops  # `make bench`: FLOPs per stage, against the machine's peak
         self.runtime = runtime
@@ -115,6 +122,9 @@ class Pipeline:
         fps, s = spec.video.fps, spec.sampling
         sampling = Sampling(s.steps, s.guidance, s.shift)
         chunks = self.schedule(spec, total_frames)
+        if self.steps_dist is not None:
+            return run_steps(self, self.steps_dist, spec, image, audio, chunks, sink, size, on_chunk, on_stretch,
+                             resume, timer, t0)
         worker = sink if isinstance(sink, DecodeWorker) else None  # runtime.decode=worker: decodes and writes
         first = resume.next_chunk if resume else 0
         state = resume.state if resume else RollingState()

@@ -67,7 +67,7 @@ from avatar_cli.families.base import (AudioSource, Chunk, Family, Final, Geometr
                                       Sampling)
 from avatar_cli.families.wan_s2v.audio import SAMPLE_RATE
 from avatar_cli.families.wan_s2v.causal import (FRAMES_PER_BLOCK, RING_FRAMES, SINK_OFFSET_RANGE, CausalCaches,
-                                                prefill_sink, stream_block)
+                                                block_inputs, euler_step, prefill_sink)
 from avatar_cli.families.wan_s2v.family import (LEAD, NATIVE_FPS, WanS2VFamily, _cache_from, _cache_to,
                                                 size_less_than_area)
 from avatar_cli.families.wan_s2v.model_dir import WanS2VConfig
@@ -167,27 +167,101 @@ class LiveAvatarFamily(WanS2VFamily):
     def denoise(self, models: Models, inputs: dict, ref: dict, sampling: Sampling) -> torch.Tensor:
         """One block: the sink prefilled (block 0) or refreshed with the rolled sink frame (block 4), then the Euler
         steps through the per-step rings -> the block's latents (3, 16, h, w); block 0's preceded by the 7 motion
-        latents the decoder is primed with, where the decode timeline starts -> (10, 16, h, w)."""
-        dit, c = models["dit"], inputs
-        state, g = c["state"], c["block"]
+        latents the decoder is primed with, where the decode timeline starts -> (10, 16, h, w). The same three
+        pieces the timestep pipeline (pipeline/steps.py) runs on separate ranks."""
+        x = self.block_noise(inputs, ref, next(models["dit"].parameters()).dtype)  # (16, 3, h, w)
+        for step in range(sampling.steps):
+            x = self.denoise_step(models, inputs, ref, x, step, sampling)  # (16, 3, h, w)
+        return self.block_latents(inputs, ref, x)
+
+    # --- a block in pieces: its noise, each denoising step, its latents --------------------------------------
+
+    def block_noise(self, inputs: dict, ref: dict, dtype: torch.dtype) -> torch.Tensor:
+        """Block g's noise (16, 3, h, w): frames [3 b, 3 b + 3) of its clip's noise (g = 4 clip + b)."""
+        r = ref["ref"]  # (16, 1, h, w)
+        clip, b = divmod(inputs["block"], BLOCKS_PER_CLIP)
+        noise = clip_noise(inputs["seed"], clip, r.shape[0], r.shape[-2], r.shape[-1])  # (16, 12, h, w)
+        return noise[:, FRAMES_PER_BLOCK * b:FRAMES_PER_BLOCK * (b + 1)].to(r.device, dtype)  # (16, 3, h, w)
+
+    def denoise_step(self, models: Models, inputs: dict, ref: dict, x: torch.Tensor, step: int, sampling: Sampling,
+                     own_ring: bool = False) -> torch.Tensor:
+        """Denoising step `step` of the block: x (16, 3, h, w) -> (16, 3, h, w). The sink is prefilled first when the
+        state's is empty (block 0) or when the rolled sink frame waits in the state (block 4). own_ring: the state
+        holds this step's ring alone (a timestep-pipeline rank), not one per step."""
+        dit, state, g = models["dit"], inputs["state"], inputs["block"]
         r = ref["ref"]  # (16, 1, h, w) float32
-        z_dim, lat_h, lat_w = r.shape[0], r.shape[-2], r.shape[-1]
         dtype = next(dit.parameters()).dtype
-        caches = self._caches(state, dit, sampling.steps, lat_h, lat_w, dtype, r.device)
-        if g == 0:
-            prefill_sink(dit, caches, r, ref["motion"], c["text"])
-        elif g == BLOCKS_PER_CLIP:
-            prefill_sink(dit, caches, state.tensors.pop(SINK_FRAME), ref["motion"], c["text"])
-        clip, b = divmod(g, BLOCKS_PER_CLIP)
-        noise = clip_noise(c["seed"], clip, z_dim, lat_h, lat_w)[:, FRAMES_PER_BLOCK * b:FRAMES_PER_BLOCK * (b + 1)]
-        noise = noise.to(r.device, dtype)  # (16, 3, h, w)
-        offsets = [sink_offset(c["seed"], g, s) for s in range(caches.steps)]
-        z = stream_block(dit, caches, noise, g, c["text"], c["audio"], offsets, shift=sampling.shift)  # (16, 3, h, w)
+        caches = self._caches(state, dit, 1 if own_ring else sampling.steps, r.shape[-2], r.shape[-1], dtype, r.device)
+        if caches.sink_k.shape[1] == 0:
+            prefill_sink(dit, caches, r, ref["motion"], inputs["text"])
+        elif g == BLOCKS_PER_CLIP and SINK_FRAME in state.tensors:
+            prefill_sink(dit, caches, state.tensors.pop(SINK_FRAME), ref["motion"], inputs["text"])
+        if "block_inputs" not in inputs:  # the text and audio tokens the block's steps share
+            inputs["block_inputs"] = block_inputs(dit, inputs["text"], inputs["audio"], x.shape[1])
+        offset = sink_offset(inputs["seed"], g, step)
+        x = euler_step(dit, caches, step, sampling.steps, x, g, inputs["block_inputs"], offset, shift=sampling.shift,
+                       ring=0 if own_ring else step)  # (16, 3, h, w)
         # The rings were written in place; the sink is new after a prefill.
         state.tensors.update({CACHE_PREFIX + n: t for n, t in caches.tensors().items()})
-        if g == 0:
-            z = torch.cat([ref["motion"][:, :PRIME_LATENTS].to(z.dtype), z], dim=1)  # (16, 7 + 3, h, w)
-        return z.transpose(0, 1)  # (F, 16, h, w): time first, as the pipeline holds latents
+        return x
+
+    def block_latents(self, inputs: dict, ref: dict, x: torch.Tensor) -> torch.Tensor:
+        """The denoised block x (16, 3, h, w) -> (3, 16, h, w), time first as the pipeline holds latents; block 0's
+        after the decoder's 7 priming latents -> (10, 16, h, w)."""
+        if inputs["block"] == 0:
+            x = torch.cat([ref["motion"][:, :PRIME_LATENTS].to(x.dtype), x], dim=1)  # (16, 7 + 3, h, w)
+        return x.transpose(0, 1)
+
+    # --- the timestep pipeline (pipeline/steps.py): rank 1 + s runs step s, rank 0 decodes -----------------
+
+    step_pipeline = True
+    sink_refresh_block = BLOCKS_PER_CLIP
+
+    @staticmethod
+    def step_state(state: RollingState, step: int) -> RollingState:
+        """A step rank's state: its own ring out of a state that holds every step's (a resumed one), the sink and
+        the sink frame as they are."""
+        own = dict(state.tensors)
+        for n in ("k", "v"):
+            ring = own.get(CACHE_PREFIX + n)
+            if ring is not None and ring.shape[0] > 1:
+                own[CACHE_PREFIX + n] = ring[step:step + 1].clone()  # (1, layers, ring, H, Dh)
+        return RollingState(own, [], state.published)
+
+    @staticmethod
+    def step_tensor_names(step: int, block: int) -> list[str]:
+        """What step `step`'s rank sends the decode rank after block `block`: its ring, and (step 0's rank) the
+        sink at the blocks that prefill it."""
+        names = [CACHE_PREFIX + "k", CACHE_PREFIX + "v"]
+        if step == 0 and block in (0, BLOCKS_PER_CLIP):
+            names += [CACHE_PREFIX + "sink_k", CACHE_PREFIX + "sink_v"]
+        return names
+
+    def step_tensors(self, state: RollingState, step: int, block: int) -> dict[str, torch.Tensor]:
+        return {n: state.tensors[n] for n in self.step_tensor_names(step, block)}
+
+    @staticmethod
+    def merge_step_tensors(state: RollingState, per_step: list[dict[str, torch.Tensor]], block: int) -> None:
+        """The decode rank's state after block `block`, as one rank's would be: the step ranks' rings stacked, the
+        sink when it changed; the sink frame gone once block 4 used it."""
+        for n in ("k", "v"):
+            state.tensors[CACHE_PREFIX + n] = torch.cat([d[CACHE_PREFIX + n] for d in per_step])  # (steps, ...)
+        state.tensors.update({n: t for n, t in per_step[0].items() if n.startswith(CACHE_PREFIX + "sink")})
+        if block == BLOCKS_PER_CLIP:
+            state.tensors.pop(SINK_FRAME, None)
+
+    @staticmethod
+    def rolled_sink_frame(block: int, z: torch.Tensor) -> torch.Tensor | None:
+        """Block 0's final latents z (10, 16, h, w) -> the sink frame (16, 1, h, w) block 4 prefills with; None for
+        other blocks. `keep` stores the same tensor."""
+        return z[-FRAMES_PER_BLOCK][:, None].contiguous() if block == 0 else None
+
+    def needs_sink_frame(self, block: int, state: RollingState) -> bool:
+        return block == BLOCKS_PER_CLIP and SINK_FRAME not in state.tensors
+
+    @staticmethod
+    def put_sink_frame(state: RollingState, frame: torch.Tensor) -> None:
+        state.tensors[SINK_FRAME] = frame
 
     @staticmethod
     def _caches(state: RollingState, dit, steps: int, lat_h: int, lat_w: int, dtype: torch.dtype,
@@ -204,7 +278,7 @@ class LiveAvatarFamily(WanS2VFamily):
         s, e = chunk.keep
         state.held.append((s, e, z))
         if chunk.index == 0:
-            state.tensors[SINK_FRAME] = z[-FRAMES_PER_BLOCK][:, None].contiguous()  # (16, 1, h, w)
+            state.tensors[SINK_FRAME] = self.rolled_sink_frame(0, z)  # (16, 1, h, w)
 
     # --- decode ------------------------------------------------------------------------------------------
 

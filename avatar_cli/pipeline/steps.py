@@ -1,0 +1,232 @@
+"""The timestep pipeline (`runtime.parallel: steps`): S + 1 ranks for an S-step streaming family (LiveAvatar's TPP).
+
+Rank 0 decodes, publishes and checkpoints; rank 1 + s runs denoising step s of every block and keeps only that
+step's key/value ring. A block travels through the ranks like a part down an assembly line:
+
+    rank 1 (step 0): noise of block g -> x_1 ----send---> rank 2 (step 1): x_1 -> x_2 ---> ... rank S: x_S = z_g
+    rank 0: <---- z_g ---- rank S;  decode z_g, put its frames in the MP4, save the resume point after g
+
+so in steady state rank 1 works on block g + S - 1 while rank S works on block g and rank 0 decodes block g - 1:
+one block leaves the line per step-forward, where one rank needs S forwards per block. Each step rank computes its
+own block inputs (audio features, text) and its own copy of the sink (the prefill is the same for every step; it
+runs at block 0 and once more at block 4 with the rolled sink frame, which the last step rank sends to the others).
+
+Bit-identical to one rank (tests/test_steps_pipeline.py): every step runs the same operations on the same inputs as
+`LiveAvatarFamily.denoise` does in one process; the ranks exchange tensors exactly (send/recv, no reduction).
+
+Resume points. A checkpoint holds what one rank's render holds after block g, so a render resumes with either way:
+each step rank sends rank 0 a copy of its ring after every block (and step 0's rank the sink when it changes), and
+rank 0 assembles the state. That is cheap at tiny sizes and the wrong design at full size (41.5 GB of rings per
+block at 704x384, fact sheet §6.8; see live.py's docstring for the re-prefill alternative).
+
+Sends are asynchronous (isend) with at most PENDING blocks in flight per rank: a rank runs ahead of its consumer by
+that much and no further, which bounds the memory the copies in flight take. Receives block.
+"""
+
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from avatar_cli.families.base import AudioSource, Family, Final, RollingState, Sampling
+from avatar_cli.runtime.distributed import Dist
+
+if TYPE_CHECKING:
+    from avatar_cli.pipeline.run import ChunkDone, Pipeline, RenderStats, ResumeFrom, Stretch
+
+PENDING = 2  # blocks a rank's sends may have in flight
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64)
+_MAX_DIMS = 8
+
+
+def decode_rank() -> int:
+    return 0
+
+
+def step_of(rank: int) -> int:
+    """The denoising step rank `rank` (>= 1) runs."""
+    return rank - 1
+
+
+def ranks_needed(steps: int) -> int:
+    return steps + 1
+
+
+class Outbox:
+    """Asynchronous sends, each tensor kept alive until its send completed; at most PENDING blocks of them."""
+
+    def __init__(self, group: dist.ProcessGroup | None):
+        self.group = group
+        self.blocks: deque[list] = deque()
+
+    def send(self, t: torch.Tensor, dst: int) -> None:
+        """The tensor's dtype and shape first (so the receiver needs no bookkeeping), then its data."""
+        t = t.detach().contiguous()
+        head = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64, device=t.device)
+        head[0], head[1] = _DTYPES.index(t.dtype), t.ndim
+        head[2:2 + t.ndim] = torch.tensor(t.shape, dtype=torch.int64)
+        if not self.blocks:
+            self.blocks.append([])
+        self.blocks[-1] += [(dist.isend(head, dst, group=self.group), head),
+                            (dist.isend(t, dst, group=self.group), t)]
+
+    def end_block(self) -> None:
+        """Close this block's sends; wait for the oldest block's once more than PENDING are in flight."""
+        self.blocks.append([])
+        while len(self.blocks) > PENDING + 1:
+            for work, _ in self.blocks.popleft():
+                work.wait()
+
+    def flush(self) -> None:
+        while self.blocks:
+            for work, _ in self.blocks.popleft():
+                work.wait()
+
+
+def recv(src: int, device: torch.device, group: dist.ProcessGroup | None) -> torch.Tensor:
+    head = torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=device)
+    dist.recv(head, src, group=group)
+    dtype, ndim = _DTYPES[int(head[0])], int(head[1])
+    t = torch.empty(tuple(int(n) for n in head[2:2 + ndim]), dtype=dtype, device=device)
+    dist.recv(t, src, group=group)
+    return t
+
+
+def check_world(family: Family, steps: int, world: int) -> None:
+    """ValueError naming the problem when this family and rank count cannot run the timestep pipeline."""
+    if not getattr(family, "step_pipeline", False):
+        raise ValueError(f"runtime.parallel: steps: the {family.name} family's '{family.mode}' mode has no timestep "
+                         "pipeline (only the wan-s2v streaming mode has); use sequence or auto")
+    if world != ranks_needed(steps):
+        raise ValueError(f"runtime.parallel: steps: {steps} denoising steps need {ranks_needed(steps)} ranks (one per "
+                         f"step and one that decodes), not {world}: launch with --nproc {ranks_needed(steps)}")
+
+
+def choose_parallel(setting: str, family: Family, steps: int, world: int) -> tuple[str, str]:
+    """`runtime.parallel` -> ("single" | "sequence" | "steps", why). ValueError for `steps` where it cannot run.
+
+    auto picks the timestep pipeline exactly when the family has one and the ranks are one per step plus a decode
+    rank: then no forward waits on a collective (a rank sends one block's latents per step-forward), where sequence
+    parallel all-to-alls q, k, v twice per layer of every forward. Any other count: sequence."""
+    if world == 1:
+        return "single", "one rank"
+    if setting == "steps":
+        check_world(family, steps, world)
+        return "steps", f"asked for; {world} ranks = {steps} denoising steps + a decode rank"
+    if setting == "sequence":
+        return "sequence", "asked for"
+    if getattr(family, "step_pipeline", False) and world == ranks_needed(steps):
+        return "steps", (f"auto: {world} ranks = {steps} denoising steps + a decode rank: each rank runs one step of "
+                         "every block, no collective inside a forward")
+    why = (f"{world} ranks, not {steps} steps + 1" if getattr(family, "step_pipeline", False)
+           else f"the {family.name} family's '{family.mode}' mode has no timestep pipeline")
+    return "sequence", f"auto: {why}"
+
+
+def rank_skips(family: Family, rank: int) -> set[str]:
+    """Components the timestep pipeline's rank `rank` never runs: the decode rank needs only the decode and
+    refine steps'; a step rank all but the decode-only ones."""
+    needs = family.needs
+    if rank == decode_rank():
+        keep = set(needs.get("decode", ())) | set(needs.get("refine", ()))
+    else:
+        keep = {n for step in ("reference", "prompt", "context", "denoise") for n in needs.get(step, ())}
+    return set(family.components) - keep
+
+
+def run_steps(pipe: "Pipeline", dist_: Dist, spec, image: torch.Tensor, audio: AudioSource, chunks: list,
+              sink, size: tuple[int, int], on_chunk: Callable[["ChunkDone"], None],
+              on_stretch: Callable[["Stretch"], None], resume: "ResumeFrom | None", timer, t0: float) -> "RenderStats":
+    """The timestep pipeline's part of Pipeline.run on this rank (module docstring)."""
+    from avatar_cli.pipeline.run import RenderStats
+
+    s = spec.sampling
+    sampling = Sampling(s.steps, s.guidance, s.shift)
+    first = resume.next_chunk if resume else 0
+    state = resume.state if resume else RollingState()
+    if dist_.rank == decode_rank():
+        ttff = _decode_rank(pipe, dist_, spec, chunks, first, state, sink, size, on_chunk, on_stretch, timer, t0)
+    else:
+        _step_rank(pipe, dist_, spec, image, audio, chunks, first, state, sampling, timer)
+        ttff = None
+    return RenderStats(frames=state.published if dist_.rank == decode_rank() else chunks[-1].publish_to,
+                       wall_s=time.perf_counter() - t0, ttff_s=ttff or 0.0,
+                       compute_s=dict(timer.seconds))
+
+
+def _step_rank(pipe: "Pipeline", dist_: Dist, spec, image: torch.Tensor, audio: AudioSource, chunks: list,
+               first: int, state: RollingState, sampling: Sampling, timer) -> None:
+    family, group, fps = pipe.family, dist_.group, spec.video.fps
+    step = step_of(dist_.rank)
+    last = dist_.world_size - 1
+    device = pipe.runtime.device
+    models = pipe.a2v.models
+    state = family.step_state(state, step)  # this step's ring only (a resumed state holds every step's)
+    out = Outbox(group)
+    stage = pipe.placement.stage
+    if first < len(chunks):
+        pipe.context.release_before(audio, chunks[first].start - 1, fps)
+    with timer("reference"), stage(pipe.reference.needs):
+        ref = pipe.reference.run(image)
+    with timer("context"), stage(pipe.prompt.needs_for(spec.prompt)):
+        text = pipe.prompt.run(spec.prompt)
+    try:
+        for i in range(first, len(chunks)):
+            chunk = chunks[i]
+            with timer("context"), stage(pipe.context.needs):
+                inputs = pipe.context.run(chunk, audio, fps, text, state, spec.seed)
+                pipe.context.release_before(audio, chunk.start - 1, fps)
+            with timer("a2v"), stage(pipe.a2v.needs):
+                if family.needs_sink_frame(chunk.index, state) and step != last - 1:
+                    family.put_sink_frame(state, recv(last, device, group))  # rolled by the last step's rank
+                dtype = next(models["dit"].parameters()).dtype
+                x = family.block_noise(inputs, ref, dtype) if step == 0 else recv(dist_.rank - 1, device, group)
+                x = family.denoise_step(models, inputs, ref, x, step, sampling, own_ring=True)  # (16, 3, h, w)
+            if dist_.rank == last:
+                z = family.block_latents(inputs, ref, x)  # (F, 16, h, w)
+                out.send(z, decode_rank())
+                frame = family.rolled_sink_frame(chunk.index, z)
+                if frame is not None and len(chunks) > family.sink_refresh_block:
+                    for r in range(1, last):
+                        out.send(frame, r)
+                    family.put_sink_frame(state, frame)
+            else:
+                out.send(x, dist_.rank + 1)
+            for t in family.step_tensors(state, step, chunk.index).values():  # for the decode rank's checkpoint
+                out.send(t.clone(), decode_rank())
+            out.end_block()
+    finally:
+        out.flush()
+
+
+def _decode_rank(pipe: "Pipeline", dist_: Dist, spec, chunks: list, first: int, state: RollingState, sink,
+                 size: tuple[int, int], on_chunk, on_stretch, timer, t0: float) -> float | None:
+    from avatar_cli.pipeline.run import ChunkDone, HashingSink, Stretch
+
+    family, group, device = pipe.family, dist_.group, pipe.runtime.device
+    steps = dist_.world_size - 1
+    ttff = None
+    stage = pipe.placement.stage
+    for i in range(first, len(chunks)):
+        chunk = chunks[i]
+        z = recv(dist_.world_size - 1, device, group)  # (F, 16, h, w) the block's final latents
+        per_step = [{name: recv(1 + s, device, group) for name in family.step_tensor_names(s, chunk.index)}
+                    for s in range(steps)]
+        family.keep(chunk, z, state, spec.chunking)
+        family.merge_step_tensors(state, per_step, chunk.index)
+        final = state.take_final(chunk.publish_to)
+        if final is not None:
+            with timer("sr"), stage(pipe.sr.needs):
+                final = Final(final.start, final.end, pipe.sr.run(final.z, None))
+            hashing = HashingSink(sink)
+            with timer("decode"), stage(pipe.publish.needs):
+                n = pipe.publish.run(final, state, hashing, size)
+            state.published += n
+            if ttff is None:
+                ttff = time.perf_counter() - t0
+            on_stretch(Stretch(i + 1, state.published - n, state.published, hashing.hash.hexdigest(), state))
+        on_chunk(ChunkDone(chunk, time.perf_counter() - t0, state.published))
+    return ttff
