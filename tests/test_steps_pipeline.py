@@ -1,0 +1,131 @@
+"""The timestep pipeline (runtime.parallel: steps, pipeline/steps.py): the choice of the way ranks split the work,
+and a 2-clip tiny wan-s2v streaming render with a 2-step schedule on 3 gloo ranks (a decode rank and one per step)
+whose frames equal one process's; a pipeline render killed mid-way resumes in one process, bit-identically."""
+
+import io
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from avatar_cli.families.mini.family import MiniFamily
+from avatar_cli.families.wan_s2v.live import LiveAvatarFamily
+from avatar_cli.modules.registry import init_family_dir
+from avatar_cli.pipeline.steps import choose_parallel, rank_skips
+from tests.conftest import write_reference, write_wav
+
+REPO = Path(__file__).resolve().parent.parent
+AVATAR = [sys.executable, "-m", "avatar_cli"]
+SECONDS = 5.8  # round(5.8 x 16) = 93 frames = 9 + 7 x 12: 8 blocks, two of their clips, across the block-4 refresh
+
+
+def live() -> LiveAvatarFamily:
+    return LiveAvatarFamily(None)
+
+
+# --- choosing --------------------------------------------------------------------------------------------------
+
+def test_auto_picks_the_timestep_pipeline_when_ranks_are_steps_plus_one():
+    how, why = choose_parallel("auto", live(), 4, 5)
+    assert how == "steps" and "4 denoising steps + a decode rank" in why
+    how, why = choose_parallel("auto", live(), 4, 2)
+    assert how == "sequence" and "2 ranks, not 4 steps + 1" in why
+    assert choose_parallel("auto", live(), 4, 1)[0] == "single"
+    how, why = choose_parallel("auto", MiniFamily(None), 4, 5)
+    assert how == "sequence" and "no timestep pipeline" in why
+
+
+def test_steps_refused_where_it_cannot_run():
+    with pytest.raises(ValueError, match="no timestep pipeline"):
+        choose_parallel("steps", MiniFamily(None), 4, 5)
+    with pytest.raises(ValueError, match=r"4 denoising steps need 5 ranks .* not 3: launch with --nproc 5"):
+        choose_parallel("steps", live(), 4, 3)
+
+
+def test_each_rank_loads_only_what_its_role_runs(job: Path):
+    from avatar_cli.modules.registry import resolve_model, with_mode
+
+    f = with_mode(resolve_model(str(job.parent / "tiny"), job.parent), "streaming").family
+    assert rank_skips(f, 0) == {"text", "audio", "dit"}  # the decode rank: the VAE alone
+    assert rank_skips(f, 1) == rank_skips(f, 4) == set()  # a step rank encodes the reference with the VAE too
+
+
+def test_steps_on_a_family_without_it_is_exit_2(job_dir: Path):
+    res = subprocess.run([*AVATAR, "validate", str(job_dir / "job.yaml"), "runtime.parallel=steps"],
+                         capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert res.returncode == 2
+    assert "runtime.parallel: steps: the mini family's 'clip' mode has no timestep pipeline" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+# --- 3 gloo ranks, 2 steps -------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("steps")
+    init_family_dir(folder / "tiny", "tiny", seed=0, family="wan-s2v")
+    write_reference(folder / "ref.png")
+    write_wav(folder / "speech.wav", SECONDS)
+    # One thread per rank, as the one-process render: kernels that split reductions by thread count would otherwise
+    # round differently (the ranks share this host's cores).
+    (folder / "job.yaml").write_text(
+        "reference: ref.png\naudio: speech.wav\noutput: out/video.mp4\nmodel: tiny\nmode: streaming\n"
+        "prompt: a person talking\nseed: 5\nvideo: {width: 64, height: 64, crf: 0}\nsampling: {steps: 2}\n"
+        "runtime: {dtype: float32, text_cache: 'off', threads: 1}\n")
+    return folder / "job.yaml"
+
+
+def render_here(job: Path, output: Path, resume: str = "never") -> dict:
+    from avatar_cli.report import JsonReporter
+    from avatar_cli.runner import prepare, render
+    from avatar_cli.spec import load_job
+
+    return render(prepare(load_job(job, [], str(output)), force=True), JsonReporter(io.StringIO()), resume=resume)
+
+
+@pytest.fixture(scope="module")
+def one_rank(job: Path) -> dict:
+    return render_here(job, job.parent / "out" / "one.mp4")
+
+
+def events(stdout: str) -> list[dict]:
+    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.slow
+def test_three_ranks_two_steps_equal_one_process(job: Path, one_rank: dict):
+    res = subprocess.run([*AVATAR, "render", str(job), "--nproc", "3", "--json", "-o",
+                          str(job.parent / "out" / "tpp.mp4")], capture_output=True, text=True, cwd=REPO,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    done = events(res.stdout)[-1]
+    assert one_rank["frames"] == done["frames"] == 93
+    assert done["ranks"] == 3
+    assert done["frames_digest"] == one_rank["frames_digest"]
+    # auto chose it (3 ranks = 2 steps + 1) and said why, once.
+    assert res.stderr.count("parallel: steps (auto: 3 ranks = 2 denoising steps + a decode rank") == 1
+
+
+@pytest.mark.slow
+def test_killed_pipeline_render_resumes_in_one_process(job: Path, one_rank: dict):
+    """The decode rank's checkpoint holds every step's ring (sent by the step ranks after each block): the same
+    state as one process's, so a pipeline render killed mid-way continues in one process with the same frames."""
+    out = job.parent / "out" / "killed.mp4"
+    proc = subprocess.Popen([*AVATAR, "render", str(job), "--nproc", "3", "--json", "-o", str(out),
+                             "runtime.parallel=steps"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=REPO)
+    try:
+        chunks = (e for line in proc.stdout for e in events(line) if e["event"] == "chunk")
+        for _ in range(6):  # blocks 0-5 published: past the sink refresh of block 4
+            next(chunks)
+        proc.send_signal(signal.SIGTERM)  # the launcher stops its workers, which keep their checkpoint
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    assert not out.exists() and out.with_name("killed.partial.mp4").exists()
+    resumed = render_here(job, out, resume="strict")
+    assert resumed["resumed_at"] > 0
+    assert resumed["frames_digest"] == one_rank["frames_digest"]
