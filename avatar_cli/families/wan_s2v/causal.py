@@ -37,11 +37,13 @@ gives these shapes without memory.
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-from avatar_cli.families.wan_s2v.dit import REF_T_POSITION, WanDiTParams, WanS2VBlock, WanS2VDiT, s2v_positions
+from avatar_cli.families.wan_s2v.dit import (REF_T_POSITION, S2VSequence, TokenShard, WanDiTParams, WanS2VBlock,
+                                             WanS2VDiT, s2v_positions)
 from avatar_cli.families.wan_s2v.layers import (
     apply_rope,
     as_weight_dtype,
@@ -74,14 +76,17 @@ class CausalCaches:
 
     @classmethod
     def empty(cls, p: WanDiTParams, lat_h: int, lat_w: int, steps: int = STEPS, ring_frames: int = RING_FRAMES,
-              dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> "CausalCaches":
-        """Zero rings of ring_frames latent frames at latent size lat_h x lat_w, and an empty sink."""
+              dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+              heads: int | None = None) -> "CausalCaches":
+        """Zero rings of ring_frames latent frames at latent size lat_h x lat_w, and an empty sink; `heads` of the
+        model's heads (all of them by default; a sequence-parallel rank holds num_heads / W)."""
         ring = ring_frames * frame_tokens(p, lat_h, lat_w)
         if ring_frames % FRAMES_PER_BLOCK:
             raise ValueError(f"CausalCaches: ring_frames={ring_frames} is not a whole number of "
                              f"{FRAMES_PER_BLOCK}-frame blocks")
-        shape = (steps, p.num_layers, ring, p.num_heads, p.head_dim)
-        sink = (p.num_layers, 0, p.num_heads, p.head_dim)
+        heads = p.num_heads if heads is None else heads
+        shape = (steps, p.num_layers, ring, heads, p.head_dim)
+        sink = (p.num_layers, 0, heads, p.head_dim)
         z = dict(dtype=dtype, device=device)
         return cls(torch.zeros(shape, **z), torch.zeros(shape, **z), torch.zeros(sink, **z), torch.zeros(sink, **z))
 
@@ -113,6 +118,54 @@ class CausalCaches:
             raise ValueError(f"CausalCaches: sink k {tuple(c.sink_k.shape)} and v {tuple(c.sink_v.shape)} do not "
                              f"match the rings {tuple(c.k.shape)}")
         return c
+
+
+class HeadExchange(Protocol):
+    """What a sequence-parallel rank does around self-attention (live_parallel.UlyssesExchange, over a process
+    group of `world` ranks). The rank computes rows [rank·n, (rank + 1)·n) of a forward's N tokens, n = ceil(N /
+    world), zero rows past N; the attention runs on all N tokens and heads [rank·H/W, (rank + 1)·H/W), the heads its
+    caches hold. `exchange=None` in this module: one rank, every row and every head."""
+
+    world: int
+    rank: int
+
+    def to_heads(self, qkv: torch.Tensor, tokens: int) -> torch.Tensor:
+        """(3, 1, H, n, Dh) this rank's rows, all heads -> (3, 1, H/W, tokens, Dh) every real row, its heads."""
+
+    def to_rows(self, a: torch.Tensor, tokens: int) -> torch.Tensor:
+        """(1, H/W, tokens, Dh) every row, this rank's heads -> (1, H, n, Dh) its rows, all heads."""
+
+    def gather_rows(self, out: torch.Tensor, tokens: int) -> torch.Tensor:
+        """(m, C) this rank's real rows (m <= n) -> (tokens, C) every rank's, in order, on every rank."""
+
+
+def _rows(tokens: int, exchange: HeadExchange | None) -> TokenShard:
+    """The rows of a forward's `tokens` tokens that this rank computes."""
+    if exchange is None:
+        return TokenShard(0, tokens)
+    n = -(-tokens // exchange.world)  # the last rank(s) padded
+    return TokenShard(exchange.rank * n, n)
+
+
+def _heads(p: WanDiTParams, exchange: HeadExchange | None) -> slice:
+    """The heads this rank attends with and caches."""
+    if exchange is None:
+        return slice(0, p.num_heads)
+    hs = p.num_heads // exchange.world
+    return slice(exchange.rank * hs, (exchange.rank + 1) * hs)
+
+
+def _self_attention(block: WanS2VBlock, u: torch.Tensor, tokens: int, exchange: HeadExchange | None,
+                    attend) -> torch.Tensor:
+    """Self-attention of the modulated rows u (1, n, D) of a `tokens`-token sequence. attend(q, k, v) -> a on
+    (1, h, tokens, Dh) un-roped tensors, h the rank's heads (all of them unsharded). -> (1, n, D)."""
+    q, k, v = _qkv(block, u)  # (1, H, n, Dh)
+    if exchange is not None:
+        q, k, v = exchange.to_heads(torch.stack([q, k, v]), tokens)  # (1, H/W, tokens, Dh) each
+    a = attend(q, k, v)  # (1, h, tokens, Dh)
+    if exchange is not None:
+        a = exchange.to_rows(a, tokens)  # (1, H, n, Dh)
+    return block.self_attn.o(a.transpose(1, 2).flatten(2))  # (1, n, D)
 
 
 @dataclass
@@ -203,17 +256,19 @@ def block_inputs(model: WanS2VDiT, context: torch.Tensor, audio: torch.Tensor,
 
 @torch.no_grad()
 def prefill_sink(model: WanS2VDiT, caches: CausalCaches, ref: torch.Tensor, motion: torch.Tensor,
-                 context: torch.Tensor) -> None:
+                 context: torch.Tensor, exchange: HeadExchange | None = None) -> None:
     """Their sink prefill (`sink_flag=True`): fill caches.sink_k / sink_v with every layer's un-roped keys and values
     of [ref | FramePack(motion)] at t = 0. ref (16, 1, h, w) the reference latent, or the rolled sink frame for the
     refresh after the first clip; motion (16, 19, h, w) motion latents (LiveAvatar: the reference repeated 73 frames,
-    encoded); context (L, text_dim)."""
+    encoded); context (L, text_dim). With an exchange the rank computes its rows and keeps its heads' keys."""
     p = model.params
     dt = model.patch_embedding.weight.dtype
     kind = model.trainable_cond_mask.weight  # (3, D) token type: 0 noisy, 1 reference, 2 motion
     ref_tok = model.patch_embedding(ref[None].to(dt)).flatten(2).transpose(1, 2)  # (1, P, D)
     mot = model.frame_packer(motion, p.add_last_motion_level, p.framepack_drop_mode)  # (1, N_m, D)
     x = torch.cat([ref_tok + kind[1].to(dt), mot + kind[2].to(dt)], dim=1)  # (1, N, D)
+    N = x.shape[1]
+    x = _rows(N, exchange).rows(x[0])[None]  # (1, n, D) this rank's rows
     freqs = _rope_f16(_positions(p, 1, ref.shape[-2], ref.shape[-1])[1].to(x.device), p.head_dim)  # (N, Dh/2)
     e0 = _time(model, torch.zeros(1, device=x.device))[1]  # (1, 6, D) t = 0
     ctx = _embed_text(model, context)  # (1, text_len, D)
@@ -221,36 +276,45 @@ def prefill_sink(model: WanS2VDiT, caches: CausalCaches, ref: torch.Tensor, moti
     for i, block in enumerate(model.blocks):
         mod = (block.modulation.float() + e0)[0, :, None].expand(-1, x.shape[1], -1)  # (6, N, D)
 
-        def attend(h):
-            q, k, v = _qkv(block, h)  # (1, H, N, Dh)
-            ks.append(k[0].transpose(0, 1))  # (N, H, Dh) un-roped, as their cond_k
-            vs.append(v[0].transpose(0, 1))  # (N, H, Dh)
-            a = F.scaled_dot_product_attention(apply_rope(q, freqs), apply_rope(k, freqs), v)  # (1, H, N, Dh)
-            return block.self_attn.o(a.transpose(1, 2).flatten(2))  # (1, N, D)
+        def attend(u):
+            def keep(q, k, v):  # (1, h, N, Dh) the rank's heads
+                ks.append(k[0].transpose(0, 1))  # (N, h, Dh) un-roped, as their cond_k
+                vs.append(v[0].transpose(0, 1))  # (N, h, Dh)
+                return F.scaled_dot_product_attention(apply_rope(q, freqs), apply_rope(k, freqs), v)  # (1, h, N, Dh)
+
+            return _self_attention(block, u, N, exchange, keep)  # (1, n, D)
 
         if i == len(model.blocks) - 1:
             attend(block.norm1(x).float() * (1 + mod[1:2]) + mod[0:1])  # only the last layer's keys are needed
         else:
             x = _block(block, x, mod, attend, ctx)  # (1, N, D)
-    caches.sink_k = torch.stack(ks).to(caches.k.dtype)  # (layers, N, H, Dh)
-    caches.sink_v = torch.stack(vs).to(caches.v.dtype)  # (layers, N, H, Dh)
+    caches.sink_k = torch.stack(ks).to(caches.k.dtype)  # (layers, N, h, Dh)
+    caches.sink_v = torch.stack(vs).to(caches.v.dtype)  # (layers, N, h, Dh)
 
 
 @torch.no_grad()
 def causal_forward(model: WanS2VDiT, caches: CausalCaches, step: int, x: torch.Tensor, t: torch.Tensor,
                    block_index: int, inputs: BlockInputs, sink_offset: int,
-                   cond: torch.Tensor | None = None) -> torch.Tensor:
+                   cond: torch.Tensor | None = None, exchange: HeadExchange | None = None) -> torch.Tensor:
     """One streaming forward (their `_forward_inference`): the velocity of block `block_index` (counted from the
     start of the stream, across clips) at denoising step `step`, writing the block's keys and values into that
     step's ring.
 
     x (16, F, h, w) the block's latent; t (F,) per-frame float timesteps; cond (16, F, h, w) pose latents, None for
-    zeros (LiveAvatar has no pose input). -> (16, F, h, w) float32."""
+    zeros (LiveAvatar has no pose input). -> (16, F, h, w) float32.
+
+    With an exchange (sequence parallelism, the same inputs on every rank): the rank runs its rows of the block's
+    tokens through the per-token parts (modulation, cross-attention, FFN, audio injection, head), the attention on
+    its heads of every token against its heads' ring and sink; every rank returns the whole velocity."""
     p = model.params
     C, frames, lat_h, lat_w = x.shape
     P = frame_tokens(p, lat_h, lat_w)
     L = frames * P
     ring = caches.ring_tokens
+    heads = _heads(p, exchange)
+    if caches.k.shape[3] != heads.stop - heads.start:
+        raise ValueError(f"causal_forward: the caches hold {caches.k.shape[3]} heads, this rank attends with "
+                         f"{heads.stop - heads.start} of the model's {p.num_heads}")
     if caches.sink_k.shape[1] == 0:
         raise ValueError("causal_forward: the sink is empty (call prefill_sink first)")
     if caches.sink_k.shape[1] != sink_tokens(p, lat_h, lat_w):
@@ -271,6 +335,9 @@ def causal_forward(model: WanS2VDiT, caches: CausalCaches, step: int, x: torch.T
     h = model.patch_embedding(x[None].to(dt)) + model.cond_encoder(cond[None].to(dt))  # (1, D, F, H, W)
     grid = tuple(h.shape[2:])
     h = h.flatten(2).transpose(1, 2) + model.trainable_cond_mask.weight[0].to(dt)  # (1, L, D)
+    rows = _rows(L, exchange)
+    h = rows.rows(h[0])[None]  # (1, n, D) this rank's rows
+    frame_of = rows.rows(torch.arange(L, device=x.device) // P)  # (n,) each row's latent frame (padding: 0)
 
     noisy_pos, sink_pos = _positions(p, frames, lat_h, lat_w)  # (L, 3), (N_sink, 3)
     noisy_pos[:, 0] += first
@@ -279,51 +346,59 @@ def causal_forward(model: WanS2VDiT, caches: CausalCaches, step: int, x: torch.T
     sink_freqs = _rope_f16(sink_pos.to(x.device), p.head_dim)  # (N_sink, Dh/2)
 
     e, e0 = _time(model, t.to(x.device))  # (F, D), (F, 6, D)
+    # dit.inject cuts the rows at latent-frame boundaries (a rank's rows may start or end inside a frame); it reads
+    # only the row count, seg, start and the audio tokens of this sequence description.
+    seq = S2VSequence(h, L, rows.start, freqs, e0, e, inputs.context, inputs.audio_local, inputs.audio_global, grid)
     for i, block in enumerate(model.blocks):
-        mod = (block.modulation.float()[0] + e0).transpose(0, 1).repeat_interleave(P, dim=1)  # (6, L, D)
-        ring_k, ring_v = caches.k[step, i], caches.v[step, i]  # (ring, H, Dh)
+        mod = (block.modulation.float()[0] + e0)[frame_of].transpose(0, 1)  # (6, n, D) per-frame, per row
+        ring_k, ring_v = caches.k[step, i], caches.v[step, i]  # (ring, h, Dh) the rank's heads
 
-        def attend(u):
-            q, k, v = _qkv(block, u)  # (1, H, L, Dh)
-            q, k = apply_rope(q, freqs), apply_rope(k, freqs)  # (1, H, L, Dh)
+        def ring_attention(q, k, v):  # (1, h, L, Dh) every token, the rank's heads
+            q, k = apply_rope(q, freqs), apply_rope(k, freqs)  # (1, h, L, Dh)
             ring_k[slot:slot + L] = k[0].transpose(0, 1)  # roped, at the absolute position
             ring_v[slot:slot + L] = v[0].transpose(0, 1)
-            sink_k = apply_rope(caches.sink_k[i].transpose(0, 1)[None], sink_freqs)  # (1, H, N_sink, Dh)
-            keys = torch.cat([ring_k[:active].transpose(0, 1)[None], sink_k], dim=2)  # (1, H, active + N_sink, Dh)
-            vals = torch.cat([ring_v[:active], caches.sink_v[i]]).transpose(0, 1)[None]  # (1, H, active + N_sink, Dh)
-            a = F.scaled_dot_product_attention(q, keys.to(q.dtype), vals.to(q.dtype))  # (1, H, L, Dh)
-            return block.self_attn.o(a.transpose(1, 2).flatten(2))  # (1, L, D)
+            sink_k = apply_rope(caches.sink_k[i].transpose(0, 1)[None], sink_freqs)  # (1, h, N_sink, Dh)
+            keys = torch.cat([ring_k[:active].transpose(0, 1)[None], sink_k], dim=2)  # (1, h, active + N_sink, Dh)
+            vals = torch.cat([ring_v[:active], caches.sink_v[i]]).transpose(0, 1)[None]  # (1, h, active + N_sink, Dh)
+            return F.scaled_dot_product_attention(q, keys.to(q.dtype), vals.to(q.dtype))  # (1, h, L, Dh)
 
-        h = _block(block, h, mod, attend, inputs.context)  # (1, L, D)
+        h = _block(block, h, mod, lambda u: _self_attention(block, u, L, exchange, ring_attention),
+                   inputs.context)  # (1, n, D)
         inj = model.audio_injector.block_to_injector.get(i)
         if inj is not None:
-            h = model.audio_injector(inj, h, inputs.audio_local, inputs.audio_global)  # (1, L, D)
-    out = model.head(h[0].unflatten(0, (frames, P)), e)  # (F, P, prod(patch)·C) per-frame head modulation
-    return model.unpatchify(out.flatten(0, 1), grid)  # (16, F, h, w)
+            h = model.inject(inj, h, seq)  # (1, n, D)
+    m = min(max(0, L - rows.start), rows.length)  # the rank's real rows
+    out = model.head(h[0, :m, None], e[frame_of[:m]])[:, 0]  # (m, prod(patch)·C) per-frame head modulation
+    if exchange is not None:
+        out = exchange.gather_rows(out, L)  # (L, prod(patch)·C)
+    return model.unpatchify(out, grid)  # (16, F, h, w)
 
 
 @torch.no_grad()
 def stream_block(model: WanS2VDiT, caches: CausalCaches, noise: torch.Tensor, block_index: int,
                  context: torch.Tensor, audio: torch.Tensor, sink_offsets: int | Sequence[int],
-                 cond: torch.Tensor | None = None, shift: float = 3.0) -> torch.Tensor:
+                 cond: torch.Tensor | None = None, shift: float = 3.0,
+                 exchange: HeadExchange | None = None) -> torch.Tensor:
     """Denoise one block: their Euler steps from `noise` (16, 3, h, w), step i through caches' ring i, every frame
     at timestep t_i, no guidance. context (L, text_dim); audio (1, 25, C_a, 12) the block's wav2vec2 frames;
     sink_offsets one per step (an int: the same for all); shift the schedule's (theirs hard-codes 3). The sink must
-    be prefilled. -> latents (16, 3, h, w) in the noise's dtype."""
+    be prefilled. exchange: see causal_forward (every rank runs the Euler update on the whole block alike).
+    -> latents (16, 3, h, w) in the noise's dtype."""
     offsets = [sink_offsets] * caches.steps if isinstance(sink_offsets, int) else list(sink_offsets)
     if len(offsets) != caches.steps:
         raise ValueError(f"stream_block: {len(offsets)} sink offsets for {caches.steps} steps")
     inputs = block_inputs(model, context, audio, noise.shape[1])
     x = noise
     for i in range(caches.steps):
-        x = euler_step(model, caches, i, caches.steps, x, block_index, inputs, offsets[i], cond, shift)
+        x = euler_step(model, caches, i, caches.steps, x, block_index, inputs, offsets[i], cond, shift,
+                       exchange=exchange)
     return x
 
 
 @torch.no_grad()
 def euler_step(model: WanS2VDiT, caches: CausalCaches, step: int, steps: int, x: torch.Tensor, block_index: int,
                inputs: BlockInputs, sink_offset: int, cond: torch.Tensor | None = None, shift: float = 3.0,
-               ring: int | None = None) -> torch.Tensor:
+               ring: int | None = None, exchange: HeadExchange | None = None) -> torch.Tensor:
     """Step `step` of the `steps`-step schedule on block `block_index`: one forward at t_step through ring `ring`
     (default: `step`; a timestep-pipeline rank holds its own step's ring only, ring 0), then the Euler update.
     x (16, F, h, w) -> (16, F, h, w) in x's dtype."""
@@ -331,7 +406,7 @@ def euler_step(model: WanS2VDiT, caches: CausalCaches, step: int, steps: int, x:
     sig = torch.tensor(sigmas, dtype=torch.float32, device=x.device)  # (steps + 1,)
     t_frames = torch.full((x.shape[1],), timesteps[step], dtype=torch.float32, device=x.device)  # (F,)
     v = causal_forward(model, caches, step if ring is None else ring, x, t_frames, block_index, inputs, sink_offset,
-                       cond)  # (16, F, h, w)
+                       cond, exchange)  # (16, F, h, w)
     # Euler in fp32 as diffusers' step, the result in x's dtype: theirs casts to the model output's dtype, bf16 in
     # their runs (our head returns fp32, as the official S2V head does).
     return (x.float() + (sig[step + 1] - sig[step]) * v).to(x.dtype)  # (16, F, h, w)
