@@ -348,6 +348,9 @@ def _render_locked(p: Prepared, reporter: Reporter, models: ModelCache | None, r
                     crf=spec.video.crf, preset=spec.video.preset, metadata={"comment": output_tag(fingerprint)},
                     resume_from=source, resume_frames=copy_to, first_put=first_put)
         decode, why = decode_worker.choose(spec.runtime.decode.value, p.model.family, runtime)
+        if p.parallel == "steps" and decode == "worker":  # rank 0 already decodes while the step ranks denoise
+            decode = "inline"
+            reporter.info("decode: inline (the timestep pipeline's rank 0 is its decode process)")
         if decode == "worker":  # it decodes and owns the MP4 writer; its startup overlaps the first chunk
             writer = DecodeWorker(p.model, runtime, dist.world_size, str(partial), args, p.size)
             reporter.info(f"decode: worker ({why}), pid {writer.pid} on {writer.device}")
