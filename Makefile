@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# torchaudio's wheel must match torch's build: pin the pair, then install the project.
 	$(PY) -m pip install -q "torch==2.14.1" "torchaudio==2.11.0"
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[test,service]"
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -22,6 +22,8 @@ app.add_typer(models_app, name="models")
 prompts_app = typer.Typer(help="The text cache: prompt encodings computed once (runtime.text_cache).",
                           no_args_is_help=True)
 app.add_typer(prompts_app, name="prompts")
+serve_app = typer.Typer(help="Serve a heavy component to a fleet of renders over HTTP.", no_args_is_help=True)
+app.add_typer(serve_app, name="serve")
 
 
 JobArg = Annotated[Path, typer.Argument(help="The job spec (YAML).", show_default=False)]
@@ -265,6 +267,38 @@ def prompts_encode(
         return EXIT_BAD_INPUT if r.bad else 0  # a job that cannot be read is bad input, as in render
 
     _run(action, json, debug)
+
+
+@serve_app.command("text")
+def serve_text(
+    model: Annotated[str, typer.Argument(help="A shipped model's name (mini) or a model directory.",
+                                         show_default=False)],
+    host: Annotated[str, typer.Option("--host", help="Address to listen on; beyond loopback a token is required "
+                                      "($AVATAR_TEXT_TOKEN or --token-file).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="Port (0: a free one, said at start).")] = 8765,
+    dtype: Annotated[str, typer.Option("--dtype", help="auto, float32 or bfloat16 (jobs must run the same).")] = "auto",
+    device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")] = "auto",
+    threads: Annotated[int, typer.Option("--threads", help="CPU threads of the encoder (0: one per core; a small "
+                                         "encoder answers faster with 1).")] = 0,
+    max_request_bytes: Annotated[int, typer.Option("--max-request-bytes", help="Larger requests get 413.")] = 65536,
+    token_file: Annotated[Optional[Path], typer.Option("--token-file", help="A file holding the bearer token "
+                                                       "(instead of $AVATAR_TEXT_TOKEN).")] = None,
+    debug: DebugOpt = False,
+) -> None:
+    """Load MODEL's text encoder once and answer encode requests over HTTP (schema avatar-text/1), until
+    Ctrl-C or SIGTERM. Jobs name it in runtime.text_service.url; their text cache stays in front."""
+    def action(reporter):
+        try:
+            from avatar_cli.service.text_server import serve
+        except ImportError as e:
+            if e.name not in ("fastapi", "uvicorn", "starlette", "pydantic"):
+                raise
+            from avatar_cli.service import INSTALL_HINT
+
+            raise InputError(f"avatar serve text needs {e.name}, which is not installed: {INSTALL_HINT}") from None
+        serve(model, host, port, dtype, device, threads, max_request_bytes, token_file, reporter.info, dict(os.environ))
+
+    _run(action, False, debug)
 
 
 def _print_check(reporter, report: dict) -> None:

@@ -24,6 +24,12 @@ every one of them wrote the same encoding.
 
 Where: `runtime.text_cache` in the job: auto ($XDG_CACHE_HOME/avatar/text, else ~/.cache/avatar/text), off,
 or a folder (e.g. on a shared file system; relative to the job file's folder).
+
+Behind it, optionally, `avatar serve text` (`runtime.text_service.url`, avatar_cli/service/): a prompt the
+cache lacks is asked of the service, whose answer is checked like an entry and written into the cache; the
+render then loads no text encoder, exactly as for a hit. The service down or answering garbage: exit 2 at
+validation, exit 1 during a render, each naming the URL; with `fallback: true` a note, and the prompt is
+encoded here.
 """
 
 import hashlib
@@ -192,8 +198,8 @@ def tensors_digest(tensors: Mapping[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def _parse(blob: bytes) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
-    """A safetensors file's metadata and tensors; ValueError naming what is wrong."""
+def metadata(blob: bytes) -> dict[str, str]:
+    """A safetensors blob's metadata, from its header alone; ValueError naming what is wrong."""
     if len(blob) < 8:
         raise ValueError(f"{len(blob)} bytes, shorter than a safetensors header")
     (n,) = struct.unpack("<Q", blob[:8])
@@ -201,10 +207,47 @@ def _parse(blob: bytes) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
         raise ValueError(f"truncated: its header says {n} bytes, the file has {len(blob) - 8} after the length")
     try:
         meta = json.loads(blob[8:8 + n]).get("__metadata__") or {}
+    except Exception as e:  # JSON, UTF-8, or a header that is not an object
+        raise ValueError(f"not a readable safetensors header ({type(e).__name__})")
+    if not isinstance(meta, dict):
+        raise ValueError("its safetensors metadata is not a mapping")
+    return meta
+
+
+def _parse(blob: bytes) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """A safetensors file's metadata and tensors; ValueError naming what is wrong."""
+    meta = metadata(blob)
+    try:
         tensors = safetensors.torch.load(blob)
     except Exception as e:  # safetensors' own error type, JSON, UTF-8: all mean the same here
         raise ValueError(f"not a readable safetensors file ({str(e).splitlines()[0] if str(e) else type(e).__name__})")
     return meta, tensors
+
+
+def entry_bytes(key: EntryKey, tensors: Mapping[str, torch.Tensor], device: str) -> bytes:
+    """An entry: the tensors as safetensors bytes, the key's fields and their digest in the metadata (what the
+    cache stores and what `avatar serve text` answers)."""
+    flat = {k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()}
+    meta = {**key.fields(), "data_sha256": tensors_digest(flat), "device": device}
+    return safetensors.torch.save(flat, metadata=meta)
+
+
+def verify(blob: bytes, key: EntryKey) -> tuple[dict[str, torch.Tensor] | None, str | None]:
+    """(tensors, None) when `blob` is a valid entry for `key`, else (None, what is wrong with it)."""
+    try:
+        meta, tensors = _parse(blob)
+    except ValueError as e:
+        return None, str(e)
+    if meta.get("format") != FORMAT:
+        return None, f"its format is {meta.get('format')!r}, not {FORMAT!r}"
+    wrong = [k for k, v in key.fields().items() if meta.get(k) != v]
+    if wrong:
+        return None, f"its header names another key ({', '.join(wrong)} differ)"
+    if meta.get("data_sha256") != tensors_digest(tensors):
+        return None, "its data does not match the digest in its header"
+    # Fresh storage: tensors read from bytes may be unaligned, and unaligned inputs take other, differently
+    # rounding BLAS paths (modules.module.load_module); the encoder's own output never is.
+    return {k: v.clone() for k, v in tensors.items()}, None
 
 
 class TextCache:
@@ -226,26 +269,11 @@ class TextCache:
             return None, None
         except OSError as e:
             return None, f"cannot read it ({e.strerror})"
-        try:
-            meta, tensors = _parse(blob)
-        except ValueError as e:
-            return None, str(e)
-        if meta.get("format") != FORMAT:
-            return None, f"its format is {meta.get('format')!r}, not {FORMAT!r}"
-        wrong = [k for k, v in key.fields().items() if meta.get(k) != v]
-        if wrong:
-            return None, f"its header names another key ({', '.join(wrong)} differ)"
-        if meta.get("data_sha256") != tensors_digest(tensors):
-            return None, "its data does not match the digest in its header"
-        # Fresh storage: tensors read from bytes may be unaligned, and unaligned inputs take other, differently
-        # rounding BLAS paths (modules.module.load_module); the encoder's own output never is.
-        return {k: v.clone() for k, v in tensors.items()}, None
+        return verify(blob, key)
 
     def write(self, key: EntryKey, tensors: Mapping[str, torch.Tensor], device: str) -> Path:
         """Write the entry atomically; OSError if the folder cannot take it."""
-        flat = {k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()}
-        meta = {**key.fields(), "data_sha256": tensors_digest(flat), "device": device}
-        blob = safetensors.torch.save(flat, metadata=meta)
+        blob = entry_bytes(key, tensors, device)
         self.folder.mkdir(parents=True, exist_ok=True)
         final = self.path(key)
         tmp = self.folder / f".{key.digest}.{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
@@ -274,22 +302,27 @@ class PromptCache:
     """One model source's prompts through the cache: `lookup` before models load, `encode` in the prompt step
     (the cached encoding, else the family's prompt step, whose output is then stored).
 
-    store None: no cache (runtime.text_cache: off); every prompt is encoded. write False: read only (the ranks
-    other than 0: one writer per entry per job). note: where notes go (a corrupt entry, a failed write).
+    store None: no cache (runtime.text_cache: off). service: the job's runtime.text_service; with a url, a
+    prompt the cache lacks is fetched from it. Neither: every prompt is encoded. write False: read only (the
+    ranks other than 0: one writer per entry per job). note: where notes go (a corrupt entry, a failed write,
+    a fallback).
     """
 
     def __init__(self, store: TextCache | None, source: ModelSource, dtype: torch.dtype,
-                 note: Callable[[str], None] = lambda _: None, write: bool = True):
+                 note: Callable[[str], None] = lambda _: None, write: bool = True, service: Any = None):
         self.store = store
         self.family = source.family
+        self.service = service if service is not None and service.url else None
         identity = IDENTITIES.get(self.family.name)
-        self._identity = identity(source) if store is not None and identity is not None else None
+        wanted = store is not None or self.service is not None
+        self._identity = identity(source) if wanted and identity is not None else None
         self.dtype = encoder_dtype(self.family, dtype)
         self.note = note
         self.write = write
         self.known: dict[str, Any] = {}  # prompt -> its encoding, read or made in this process
         self.checked: set[str] = set()  # prompts looked up already (a miss, or a bad entry, is said once)
         self.encoded = 0  # runs of the family's prompt step (the text encoder)
+        self.fetched = 0  # encodings the text service answered
 
     @property
     def enabled(self) -> bool:
@@ -300,15 +333,46 @@ class PromptCache:
         return EntryKey(self.family.name, encoder, tokenizer, prompt, negative, str(self.dtype).removeprefix("torch."))
 
     def read(self, prompt: str) -> dict[str, torch.Tensor] | None:
-        """The entry's tensors, or None (no entry, or one that is unusable: said in a note)."""
+        """The entry's tensors, else the text service's answer (then written into the cache), else None: no entry
+        and no service, or an unusable entry, or a failed service with fallback on (each said in a note).
+        RenderError naming the URL: the service failed and the job allows no fallback."""
         if not self.enabled:
             return None
         key = self.key(prompt)
-        tensors, problem = self.store.read(key)
-        if problem is not None:
-            self.note(f"note: text cache entry {self.store.path(key)} is unusable ({problem}): encoding the "
-                      "prompt again and rewriting it")
+        tensors = None
+        if self.store is not None:
+            tensors, problem = self.store.read(key)
+            if problem is not None:
+                self.note(f"note: text cache entry {self.store.path(key)} is unusable ({problem}): "
+                          + ("asking the text service" if self.service is not None else
+                             "encoding the prompt again and rewriting it"))
+        if tensors is None and self.service is not None:
+            tensors = self._fetch(key)
         return tensors
+
+    def _fetch(self, key: EntryKey) -> dict[str, torch.Tensor] | None:
+        from avatar_cli.service.text_client import ServiceError
+
+        try:
+            with service_client(self.service) as client:
+                tensors, device = client.encode(key)
+        except ServiceError as e:
+            if not self.service.fallback:
+                raise RenderError(str(e)) from None
+            self.note(f"note: {e}; encoding the prompt here instead (runtime.text_service.fallback)")
+            return None
+        self.fetched += 1
+        self._store(key, tensors, device)
+        return tensors
+
+    def _store(self, key: EntryKey, tensors: Mapping[str, torch.Tensor], device: str) -> None:
+        if self.store is None or not self.write:
+            return
+        try:
+            self.store.write(key, tensors, device)
+        except OSError as e:  # a full or read-only cache folder costs the next job an encode, not this render
+            self.note(f"note: cannot write the text cache in {self.store.folder} ({e.strerror or e}); "
+                      "the prompt will be encoded again next time")
 
     def remember(self, prompt: str, tensors: Mapping[str, torch.Tensor] | None, device: torch.device) -> None:
         """What a lookup found (None: nothing usable)."""
@@ -333,33 +397,86 @@ class PromptCache:
         out = self.family.prompt(models, prompt, device, dtype)
         self.encoded += 1
         self.known[prompt] = out
-        tensors = self.family.prompt_tensors(out) if self.enabled else None
-        if tensors is not None and self.write:
-            try:
-                self.store.write(self.key(prompt), tensors, str(device))
-            except OSError as e:  # a full or read-only cache folder costs the next job an encode, not this render
-                self.note(f"note: cannot write the text cache in {self.store.folder} ({e.strerror or e}); "
-                          "the prompt will be encoded again next time")
+        tensors = self.family.prompt_tensors(out) if self.store is not None and self.enabled else None
+        if tensors is not None:
+            self._store(self.key(prompt), tensors, str(device))
         return out
 
 
 def job_prompts(cache_setting: str, base_dir: Path, source: ModelSource, dtype: torch.dtype,
-                note: Callable[[str], None], write: bool = True) -> PromptCache:
+                note: Callable[[str], None], write: bool = True, service: Any = None) -> PromptCache:
     folder = cache_folder(cache_setting, base_dir)
-    return PromptCache(TextCache(folder) if folder is not None else None, source, dtype, note, write)
+    return PromptCache(TextCache(folder) if folder is not None else None, source, dtype, note, write, service)
 
 
 def ready(prompts: PromptCache, prompt: str, device: torch.device, dist: Any) -> bool:
-    """Whether the prompt is cached, the same answer on every rank: rank 0 reads the entry and hands its
-    tensors to the others (ranks on several hosts may not share the cache folder, and a writer elsewhere must
-    not make one rank load the encoder while another skips it: their collectives would no longer match)."""
+    """Whether the prompt's encoding is at hand (cached, or answered by the text service), the same answer on
+    every rank: rank 0 reads the entry (or asks the service) and hands its tensors, or its failure, to the
+    others (ranks on several hosts may not share the cache folder, and a writer elsewhere must not make one rank
+    load the encoder while another skips it: their collectives would no longer match)."""
     if not prompts.enabled:
         return False
     if not dist.enabled:
         return prompts.lookup(prompt, device)
-    tensors = dist.broadcast_object(prompts.read(prompt) if dist.is_main else None)
-    prompts.remember(prompt, tensors, device)
-    return tensors is not None
+    found: Any = None
+    if dist.is_main:
+        try:
+            found = prompts.read(prompt)
+        except RenderError as e:  # said on every rank, not left as rank 0's alone while the others wait
+            found = str(e)
+    found = dist.broadcast_object(found)
+    if isinstance(found, str):
+        raise RenderError(found)
+    prompts.remember(prompt, found, device)
+    return found is not None
+
+
+def outcome(prompts: PromptCache, cached: bool) -> str:
+    """The render summary's `text_cache`: hit, service (fetched from the text service), miss, or off."""
+    if prompts.fetched:
+        return "service"
+    return "hit" if cached else "miss" if prompts.enabled else "off"
+
+
+# --- the text service behind the cache (avatar_cli/service/) -------------------------------------------------
+
+def service_client(service: Any) -> Any:
+    """A TextServiceClient for the job's runtime.text_service (InputError: a bad URL, or httpx not installed)."""
+    try:
+        from avatar_cli.service.text_client import TextServiceClient
+    except ImportError as e:
+        from avatar_cli.service import INSTALL_HINT
+
+        raise InputError(f"runtime.text_service.url: talking to a text service needs {e.name}, which is not "
+                         f"installed: {INSTALL_HINT}") from None
+    return TextServiceClient(service.url, service.timeout_s, service.retries)
+
+
+def check_service(job: Any, source: ModelSource) -> None:
+    """At validation (runner.prepare): a job that names a text service and whose prompt the cache lacks needs
+    the service up and serving this model's encoder, tokenizer and dtype, else InputError naming the URL.
+    With fallback on, only the URL and the client are checked (a render then encodes locally, with a note)."""
+    from avatar_cli.runtime.device import resolve_runtime
+
+    rt = job.spec.runtime
+    service = rt.text_service
+    if not service.url:
+        return
+    with service_client(service) as client:
+        from avatar_cli.service.text_client import ServiceError  # importable now: service_client checked it
+
+        if service.fallback:
+            return
+        runtime = resolve_runtime(rt.device.value, rt.dtype.value, rt.threads)
+        prompts = job_prompts(rt.text_cache, job.path.parent, source, runtime.dtype, lambda _: None,
+                              service=service)
+        key = prompts.key(job.spec.prompt)
+        if prompts.store is not None and prompts.store.read(key)[0] is not None:
+            return  # cached: this job never asks the service
+        try:
+            client.check(key)
+        except ServiceError as e:
+            raise InputError(str(e)) from None
 
 
 def skipped(prompts: PromptCache, prompt: str) -> Collection[str]:
@@ -420,8 +537,9 @@ def fill(paths: list[Path], overrides: list[str], note: Callable[[str], None]) -
     return report
 
 
-def _encode_all(prompts: PromptCache, source: ModelSource, runtime: Any, texts: list[str]) -> None:
-    """Load and place only the prompt step's components, encode (and store) each prompt, let them go."""
+def load_prompt_step(source: ModelSource, runtime: Any) -> Mapping[str, nn.Module]:
+    """Only the prompt step's components, loaded and placed as a render places them (so their encodings are
+    the render's, bit for bit)."""
     from avatar_cli.modules.registry import load_modules
     from avatar_cli.runner import plan_for
     from avatar_cli.runtime.distributed import Dist
@@ -429,9 +547,15 @@ def _encode_all(prompts: PromptCache, source: ModelSource, runtime: Any, texts: 
     from avatar_cli.stages.base import ModelView
 
     family = source.family
-    needed = prompt_components(family)
+    needed = family.needs.get("prompt", ())
     modules = load_modules(source, skip=[n for n in family.components if n not in needed])
     place(modules, runtime, Dist(), "none", plan=plan_for(family.parallel, modules))
+    return ModelView(modules)
+
+
+def _encode_all(prompts: PromptCache, source: ModelSource, runtime: Any, texts: list[str]) -> None:
+    """Load and place only the prompt step's components, encode (and store) each prompt, let them go."""
+    models = load_prompt_step(source, runtime)
     with torch.no_grad():
         for text in texts:
-            prompts.encode(ModelView(modules), text, runtime.device, runtime.dtype)
+            prompts.encode(models, text, runtime.device, runtime.dtype)
