@@ -72,3 +72,45 @@ def test_costs_at_full_size():
     assert eight == {"rings": 5_190_451_200, "sink": 270_336_000, "all_to_all": 648_806_400, "head_gather": 811_008}
     with pytest.raises(ValueError, match="degree 3"):
         rank_costs(p, 48, 88, 3)
+
+
+class ShapesOnly:
+    """The exchange of rank 0 of `world` with the shapes of what it would receive, for a forward on meta."""
+
+    def __init__(self, world: int):
+        self.world, self.rank = world, 0
+
+    def to_heads(self, qkv: torch.Tensor, tokens: int) -> torch.Tensor:
+        S, B, H, n, Dh = qkv.shape
+        return qkv.new_empty(S, B, H // self.world, tokens, Dh)
+
+    def to_rows(self, a: torch.Tensor, tokens: int) -> torch.Tensor:
+        B, hs, N, Dh = a.shape
+        return a.new_empty(B, hs * self.world, -(-tokens // self.world), Dh)
+
+    def gather_rows(self, out: torch.Tensor, tokens: int) -> torch.Tensor:
+        return out.new_empty(tokens, out.shape[1])
+
+
+def test_rank_activations_at_full_size_on_meta():
+    """One rank's block-forward of 8 at full size (704x384, bf16, after the first clip: full ring + sink), on meta:
+    the tensors it allocates peak at 143 MB (fused attention), with the time projection's weight kept in fp32 (bf16,
+    linear_f32 adds a 629 MB fp32 copy of it at every forward, whatever the rank count)."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+    try:
+        from wan_budget import on_meta, peak_bytes
+    finally:
+        sys.path.pop(0)
+    p = WanDiTParams.full()
+    dit = on_meta(WanS2VDiT, p, torch.bfloat16)
+    dit.time_projection.float()
+    c = causal.CausalCaches.empty(p, 48, 88, dtype=torch.bfloat16, device="meta", heads=p.num_heads // 8)
+    c.sink_k = c.sink_v = torch.empty(p.num_layers, 2640, 5, p.head_dim, dtype=torch.bfloat16, device="meta")
+    with torch.device("meta"):
+        inputs = causal.BlockInputs(torch.empty(1, p.text_len, p.dim, dtype=torch.bfloat16),
+                                    torch.empty(3, p.num_audio_token + 1, p.dim), torch.empty(3, p.dim))
+        x, t = torch.empty(16, 3, 48, 88, dtype=torch.bfloat16), torch.full((3,), 602.15)
+    peak = peak_bytes(lambda: causal.causal_forward(dit, c, 0, x, t, 8, inputs, 10, exchange=ShapesOnly(8)))
+    # the largest: the rank's per-row modulation (396, 6, 5120) fp32, 48.7 MB; [ring | sink] keys and values
+    # (5 heads x 15,312 x 128 bf16), 19.6 MB each
+    assert 100e6 < peak < 200e6, peak

@@ -33,6 +33,11 @@ Memory (§6.8), bf16, Wan2.2-S2V-14B (40 layers, 40 heads x 128) at 704x384 (P =
   slots (2.46 GB) and the single-GPU pipeline 2800.
 A timestep-pipeline rank holds its own step's ring and the sink: 12.5 GB. `CausalCaches.empty(..., device="meta")`
 gives these shapes without memory.
+
+Sequence parallelism: `prefill_sink`, `causal_forward`, `euler_step` and `stream_block` take an optional `exchange`
+(`HeadExchange`; live_parallel.py gives the Ulysses one and the class that holds it). With it a rank computes its
+rows of the forward's tokens and attends with its share of the heads, which are all its caches hold; without it
+(None) one rank does everything, as above.
 """
 
 from collections.abc import Sequence

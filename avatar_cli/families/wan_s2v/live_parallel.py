@@ -33,8 +33,9 @@ tokens; bf16; W = 8; `rank_costs` computes these, tests/test_wan_live_parallel.p
   13824 bf16 = 11 MB, a layer's all-gathered q, k, v 3 x 5 heads x 3168 x 128 x 2 B = 12.2 MB, keys and values
   [ring | roped sink] 2 x 5 x 15,312 x 128 x 2 B = 39 MB; with a fused attention (flash/cuDNN) no score matrix
   (the math fallback would hold 5 x 3168 x 15,312 fp32 = 970 MB);
-- the sink prefill (once per job, again at block 4) runs 2640 / 8 = 330 rows a rank: 1/8 of ~9.2e13 FLOPs,
-  ~0.03 s at 400 TFLOP/s.
+- the sink prefill (once per job, again at block 4) runs 2640 / 8 = 330 rows a rank: 1/8 of its 75.4 TFLOP
+  (bench/live_budget.py), ~24 ms at 40 % of 989 TFLOP/s, and its all-to-alls move 4 x 40 x 330 x 5120 x 2 B =
+  541 MB a rank.
 """
 
 import itertools
