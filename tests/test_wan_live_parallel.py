@@ -30,6 +30,7 @@ def test_two_ranks_stream_equals_one_rank():
     # 8 blocks x 4 steps, the sink refreshed at block 4: every block's latents within 1e-5 of one rank's
     assert len(res["latents_rel"]) == 8 and max(res["latents_rel"]) < 1e-5, res["latents_rel"]
     assert res["latents_absmax"] > 1.0  # not trivially zero
+    assert res["golden_rel"] < 1e-5  # and against LiveAvatar's own CausalWanModel_S2V (tests/golden/liveavatar)
     assert res["one_rank_bit_equal"] is True  # a 1-rank group through the class is causal.py bit for bit
     # each rank held 1 of the 2 heads and ran half the rows: 48 of a block's 96, 40 of the sink's 80
     assert res["cache_heads"] == 1 and res["rows"] == [40, 48]

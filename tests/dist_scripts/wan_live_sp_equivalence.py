@@ -4,8 +4,9 @@
 Inputs and weights: the LiveAvatar goldens' (tests/golden/liveavatar, the tiny DiT: 2 heads, so 1 head a rank; an
 8x16 latent, P = 32 tokens a frame, a block's 96 rows cut at row 48, inside latent frame 1). The stream is 2 clips
 of 4 blocks x 4 steps with the sink prefilled at block 0 and refreshed at block 4 with block 0's first latent, as
-live.py does. Phase 1, at the same time: rank 0 streams through causal.py alone, rank 1 through the class over a
-group of itself (must be bit-identical). Phase 2: both ranks stream through the class over the 2-rank group.
+live.py does (and as the goldens were recorded: the 2-rank latents are also held to their code's). Phase 1, at
+the same time: rank 0 streams through causal.py alone, rank 1 through the class over a group of itself (must be
+bit-identical). Phase 2: both ranks stream through the class over the 2-rank group.
 Prints one JSON line on rank 0; exits non-zero on any mismatch.
 """
 
@@ -86,6 +87,9 @@ def main() -> int:
     res["latents_rel"] = [rel(a, b) for a, b in zip(got, want)]
     ok &= max(res["latents_rel"]) < TOL
     res["latents_absmax"] = min(z.abs().max().item() for z in want)
+    # and against THEIR CausalWanModel_S2V's recording (the bound test_wan_causal.py holds causal.py to)
+    res["golden_rel"] = max(rel(z, g[f"clip{b // PER_CLIP}.block{b % PER_CLIP}.latents"]) for b, z in enumerate(got))
+    ok &= res["golden_rel"] < TOL
     res["cache_heads"] = caches.k.shape[3]
     ok &= caches.k.shape[3] == p.num_heads // 2 and caches.sink_k.shape[2] == p.num_heads // 2
     for z in got:  # every rank returns the same latents
