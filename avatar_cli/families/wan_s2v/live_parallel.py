@@ -29,10 +29,11 @@ tokens; bf16; W = 8; `rank_costs` computes these, tests/test_wan_live_parallel.p
 - per block-forward, a rank sends 4 x 40 x 396 rows x 5120 x 2 B = 649 MB through the all-to-alls (q, k, v out, the
   attention back: 16.2 MB a layer, 7/8 of it to other ranks: 568 MB over the links), and 811 kB of head outputs
   (all-gathered: 3168 x 64 x 4 B);
-- activations per block-forward, per rank: the residual stream 396 x 5120 fp32 = 8.1 MB, the FFN's hidden 396 x
-  13824 bf16 = 11 MB, a layer's all-gathered q, k, v 3 x 5 heads x 3168 x 128 x 2 B = 12.2 MB, keys and values
-  [ring | roped sink] 2 x 5 x 15,312 x 128 x 2 B = 39 MB; with a fused attention (flash/cuDNN) no score matrix
-  (the math fallback would hold 5 x 3168 x 15,312 fp32 = 970 MB);
+- activations per block-forward, per rank, counted on meta with a fused attention (the test): peak 143 MB (one
+  rank alone: 1.09 GB). The largest: the rows' modulation 396 x 6 x 5120 fp32 = 48.7 MB, keys and values
+  [ring | roped sink] 5 heads x 15,312 x 128 bf16 = 19.6 MB each, a layer's all-to-all'd q, k, v 12.2 MB. Not
+  counted: a 629 MB fp32 copy of time_projection's weight that linear_f32 makes at every forward while the weight
+  is bf16 (whatever W), and the score matrix of a non-fused attention (5 x 3168 x 15,312 fp32 = 970 MB);
 - the sink prefill (once per job, again at block 4) runs 2640 / 8 = 330 rows a rank: 1/8 of its 75.4 TFLOP
   (bench/live_budget.py), ~24 ms at 40 % of 989 TFLOP/s, and its all-to-alls move 4 x 40 x 330 x 5120 x 2 B =
   541 MB a rank.
