@@ -169,7 +169,8 @@ class DecodeWorker:
         self._seq = 0
         self._handed_cache = False
         self._ready = False
-        self._closed = False
+        self._closed = False  # closed or aborted: the worker is gone
+        self._stopping = False  # it stopped by itself (an error) or died
         self.first_put: float | None = None  # perf_counter (system-wide monotonic) of the worker's first frame
         self.decode_s = 0.0  # the worker's decode seconds
         self.wait_s = 0.0  # the render process's seconds blocked on the queue
@@ -235,20 +236,20 @@ class DecodeWorker:
         that does not answer within 30 s is killed (the fragmented MP4 stays playable either way)."""
         if self._closed:
             return
-        self._closed = True
-        if self._proc.is_alive():
+        deadline = time.monotonic() + 30
+        if self._proc.is_alive() and not self._stopping:
             self._inbox.put(("abort",))
-            deadline = time.monotonic() + 30
             while self._proc.is_alive() and time.monotonic() < deadline:
                 try:
                     if self._outbox.get(timeout=_POLL_S)[0] in ("aborted", "error"):
                         break
-                except queue.Empty:
+                except (queue.Empty, OSError, EOFError):
                     pass
-            self._proc.join(timeout=max(0.0, deadline - time.monotonic()))
-            if self._proc.is_alive():
-                self._proc.kill()
-                self._proc.join()
+        self._closed = True
+        self._proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join()
         for q in (self._inbox, self._outbox):
             q.cancel_join_thread()  # a dead reader must not hold up this process's exit
 
@@ -277,11 +278,17 @@ class DecodeWorker:
                     if not block:
                         return None
                     continue
+                except (OSError, EOFError):
+                    # A message that hands over a new cache buffer reads its file descriptor from the worker: gone
+                    # with a worker that died right after sending it (its stretch is then not checkpointed).
+                    if self._proc.is_alive():
+                        raise
+                    self._raise_dead()
                 if msg[0] == "ready":
                     self._ready = True
                     continue
                 if msg[0] == "error":
-                    self._closed = True  # the worker aborted its writer and is exiting
+                    self._stopping = True  # the worker aborted its writer and is exiting
                     _, kind, text = msg
                     raise (InputError if kind == "InputError" else RenderError)(f"decode worker: {text}")
                 return msg
@@ -289,17 +296,17 @@ class DecodeWorker:
             self.wait_s += time.perf_counter() - t0 if block else 0.0
 
     def _raise_dead(self) -> None:
-        try:  # what it put before dying is still readable
+        try:  # an error it put before dying is still readable
             while True:
                 msg = self._outbox.get_nowait()
                 if msg[0] == "error":
                     raise RenderError(f"decode worker: {msg[2]}")
-        except queue.Empty:
+        except (queue.Empty, OSError, EOFError):
             pass
         self._proc.join(timeout=1)
         code = self._proc.exitcode
         how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
-        self._closed = True
+        self._stopping = True
         raise RenderError(f"the decode worker (pid {self.pid}) died ({how}) "
                           f"{'while rendering' if self._ready else 'while starting'}")
 

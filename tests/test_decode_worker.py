@@ -1,0 +1,181 @@
+"""runtime.decode=worker (pipeline/decode_worker.py): the same frames as inline, a killed worker stops the render and
+a rerun resumes to the same digest, an error inside the worker comes back named, no worker outlives its render."""
+
+import errno
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from avatar_cli import runner
+from avatar_cli.errors import InputError, RenderError
+from avatar_cli.families.mini.family import MiniFamily
+from avatar_cli.families.wan_s2v.family import WanS2VFamily
+from avatar_cli.families.wan_s2v.live import LiveAvatarFamily
+from avatar_cli.pipeline import checkpoint as ckpt
+from avatar_cli.pipeline import decode_worker as dw
+from avatar_cli.report import QuietReporter
+from avatar_cli.runtime.device import Runtime
+from avatar_cli.spec import load_job
+from tests.conftest import write_wav
+
+CPU = Runtime(torch.device("cpu"), torch.float32)
+
+
+class Notes(QuietReporter):
+    """Records notes; with `kill_when_resumable` (the partial output), SIGKILLs the decode worker after the first chunk
+    at which a rerun could continue (a resume point whose frames the worker's encoder has flushed to disk)."""
+
+    def __init__(self, kill_when_resumable: Path | None = None):
+        super().__init__(0)
+        self.notes: list[str] = []
+        self.partial, self.killed_at = kill_when_resumable, None
+
+    def info(self, message: str) -> None:
+        self.notes.append(message)
+
+    @property
+    def worker_pid(self) -> int:
+        return int(next(re.search(r"pid (\d+)", n)[1] for n in self.notes if n.startswith("decode: worker")))
+
+    def chunk(self, **_) -> None:
+        if self.partial is None or self.killed_at is not None:
+            return
+        saved = ckpt.load_checkpoint(self.partial)
+        if saved is not None and ckpt.resumable(self.partial, saved, 25):
+            os.kill(self.worker_pid, signal.SIGKILL)
+            self.killed_at = time.monotonic()
+
+
+def render(job: Path, reporter: Notes, *overrides: str, resume: str = "never") -> dict:
+    return runner.render(runner.prepare(load_job(job, list(overrides)), force=resume == "never"), reporter,
+                         resume=resume)
+
+
+def gone(pid: int) -> bool:
+    """Exited: no such process, or a zombie its new parent has not reaped."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] in "ZX"
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+
+
+def test_slots_keep_values_dtypes_and_memory_layouts():
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "z": torch.randn(5, 4, 6, 6, generator=g).contiguous(memory_format=torch.channels_last),  # (T, C, h, w)
+        "bf16": torch.randn(3, 7, generator=g).to(torch.bfloat16),
+        "permuted": torch.randn(2, 3, 4, generator=g).permute(2, 0, 1),  # dense, not contiguous
+        "strided": torch.randn(4, 8, generator=g)[:, ::2],  # not dense: sent contiguous
+    }
+    buf = dw._shared_buffer(dw._nbytes(tensors))
+    back = dw.unpack(buf, dw.pack(buf, tensors))
+    for name, t in tensors.items():
+        assert torch.equal(back[name], t) and back[name].dtype == t.dtype, name
+    assert back["z"].stride() == tensors["z"].stride() and back["permuted"].stride() == tensors["permuted"].stride()
+    assert back["strided"].is_contiguous()
+
+
+def test_choice_and_the_spec_error():
+    cuda = Runtime(torch.device("cuda", 0), torch.bfloat16)
+    mini, clip, live = MiniFamily.__new__(MiniFamily), WanS2VFamily.__new__(WanS2VFamily), \
+        LiveAvatarFamily.__new__(LiveAvatarFamily)
+    assert dw.choose("auto", mini, CPU)[0] == "inline"  # 2 shared cores: measured slower (bench/results.md)
+    assert dw.choose("auto", mini, cuda)[0] == dw.choose("auto", live, cuda)[0] == "worker"
+    assert dw.choose("auto", clip, cuda)[0] == "inline"  # its next clip's motion latents are decoded frames
+    assert dw.choose("worker", mini, CPU) == ("worker", "asked for")
+    dw.check_setting("worker", live)
+    with pytest.raises(InputError, match="runtime.decode: worker: the wan-s2v family .* feeds back"):
+        dw.check_setting("worker", clip)
+    assert [live.is_decode_state(k) for k in ("vae.enc0", "kv.ring0", "sink_frame")] == [True, False, False]
+    assert mini.is_decode_state("decode_cache") and not mini.is_decode_state("tail")
+
+
+@pytest.fixture
+def long_job(job_dir: Path) -> Path:
+    write_wav(job_dir / "speech.wav", 4.0)  # 100 frames, 4 keyframes
+    return job_dir / "job.yaml"
+
+
+def test_worker_frames_equal_inline_and_a_killed_worker_resumes_to_the_same_digest(long_job: Path):
+    inline = render(long_job, Notes(), "runtime.decode=inline", f"output={long_job.parent / 'inline.mp4'}")
+
+    partial = long_job.parent / "out" / "video.partial.mp4"
+    notes = Notes(kill_when_resumable=partial)
+    with pytest.raises(RenderError) as err:
+        render(long_job, notes, "runtime.decode=worker")
+    stopped_s = time.monotonic() - notes.killed_at
+    assert re.match(r"the decode worker \(pid \d+\) died \(killed by SIGKILL\) while rendering; the partial file "
+                    "and its checkpoint are kept", str(err.value)), str(err.value)
+    assert stopped_s < 10, f"the render went on {stopped_s:.1f} s after its worker died"
+    kept = ckpt.load_checkpoint(partial)
+    assert kept.points and all((partial.parent / pt.state_file).is_file() for pt in kept.points)
+
+    again = Notes()
+    resumed = render(long_job, again, "runtime.decode=worker", resume="strict")
+    assert resumed["resumed_at"] > 0, again.notes
+    # The stretches the killed worker wrote (their digests are in the checkpoint's chain) and the ones the new
+    # worker made, all equal to the inline render's.
+    assert resumed["frames_digest"] == inline["frames_digest"]
+    assert not any("differ from the interrupted render" in n for n in again.notes)
+    assert gone(notes.worker_pid) and gone(again.worker_pid)
+    assert resumed["compute_s"]["decode"] > 0 and "decode_wait" in resumed["compute_s"]
+
+
+class DiskFullAt2(MiniFamily):
+    """The worker's decode fails as a full disk would, at the second stretch."""
+
+    calls = 0
+
+    def decode(self, models, final, state, put):
+        DiskFullAt2.calls += 1
+        if DiskFullAt2.calls == 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/out/video.partial.mp4")
+        return super().decode(models, final, state, put)
+
+
+def test_an_error_inside_the_worker_comes_back_named(job_dir: Path):
+    write_wav(job_dir / "speech.wav", 1.0)
+    p = runner.prepare(load_job(job_dir / "job.yaml", ["runtime.decode=worker"]), force=True)
+    p.model.__dict__["family"] = DiskFullAt2(p.model.config)  # what the worker process unpickles, too
+    notes = Notes()
+    with pytest.raises(RenderError, match=r"^decode worker: OSError: \[Errno 28\] No space left on device"):
+        runner.render(p, notes)
+    assert gone(notes.worker_pid)
+
+
+def test_a_killed_render_takes_its_worker_with_it(job_dir: Path):
+    write_wav(job_dir / "long.wav", 10.0)
+    proc = subprocess.Popen([sys.executable, "-m", "avatar_cli", "render", str(job_dir / "job.yaml"),
+                             f"audio={job_dir / 'long.wav'}", "runtime.decode=worker", "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        pid = None
+        for line in proc.stderr:
+            if m := re.match(r"decode: worker \(asked for\), pid (\d+)", line):
+                pid = int(m[1])
+                break
+        assert pid is not None, "no decode worker started"
+        saved = ckpt.paths(job_dir / "out" / "video.partial.mp4")[0]
+        for line in proc.stdout:  # until the worker has written and acknowledged a stretch
+            if json.loads(line)["event"] == "chunk" and saved.exists():
+                break
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    deadline = time.monotonic() + 5
+    while not gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert gone(pid), "the decode worker outlived its render"
+    partial = job_dir / "out" / "video.partial.mp4"
+    size = partial.stat().st_size
+    time.sleep(0.5)
+    assert partial.stat().st_size == size  # nothing more written
