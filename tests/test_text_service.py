@@ -239,3 +239,17 @@ def test_load_8_clients_no_failure_memory_flat(tmp_path):
     assert result.failures == [] and len(result.latencies_s) == 200
     assert result.rss_end_mb < 1.05 * result.rss_warm_mb, (result.rss_warm_mb, result.rss_end_mb)
     assert code == 0 and any("text service stopped" in line for line in server.lines)  # SIGTERM: a clean stop
+
+
+def test_without_the_extra_a_named_service_says_how_to_install_it(monkeypatch, tiny_model, jobs):
+    import sys
+
+    for name in ("httpx", "fastapi"):
+        monkeypatch.setitem(sys.modules, name, None)  # as if not installed: importing it raises ImportError
+    for name in ("avatar_cli.service.text_client", "avatar_cli.service.text_server"):
+        monkeypatch.delitem(sys.modules, name)  # imported afresh, so they meet the missing packages
+    with pytest.raises(InputError, match=r"needs httpx.*pip install 'avatar-cli\[service\]'"):
+        runner.prepare(load_job(write_job(jobs, "named", tiny_model, "http://127.0.0.1:9")))
+    runner.prepare(load_job(write_job(jobs, "unnamed", tiny_model, None)))  # no service named: nothing needed
+    served = CliRunner().invoke(app, ["serve", "text", "mini"])
+    assert served.exit_code == 2 and "pip install 'avatar-cli[service]'" in served.output

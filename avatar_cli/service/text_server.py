@@ -70,7 +70,7 @@ def prompt_tokens(family: Family, prompt: str) -> tuple[int, int]:
     if family.name == "wan-s2v":
         from avatar_cli.families.wan_s2v.text import clean_prompt
 
-        ids = family.tokenizer(clean_prompt(prompt), add_special_tokens=True).input_ids  # EOS included
+        ids = family.tokenizer(clean_prompt(prompt), add_special_tokens=True, verbose=False).input_ids  # EOS included
         return len(ids), family.config.dit.text_len
     from avatar_cli.families.mini.text import tokenize
 
