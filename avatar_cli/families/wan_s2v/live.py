@@ -52,16 +52,20 @@ bit-identical: the rings then hold keys of re-noised final latents, where the or
 keys of each step's actual input, which depended on rings reaching back to the first block; a resumed video would
 differ after the resume point (the motion continues; the pixels do not match the uninterrupted render).
 
-Several ranks: the DiT is replicated and not split (causal.py calls the blocks' parts directly, so neither FSDP2's
-per-block all-gathers nor "offload: block"'s per-block hooks would fire); every rank runs the whole stream. The
-sequence-parallel and timestep-pipeline ways are issue 14 §3.
+Several ranks (runtime.parallel): `sequence` splits every block's forward over the ranks (Ulysses over heads,
+live_parallel.py, wired through StreamingSequenceParallel as the plan's sp_wrap): each rank keeps its heads of the
+rings and the sink, and after every block the caches are gathered whole into rank 0's state for its resume point
+(so a checkpoint does not depend on the rank count; a resumed render cuts them again). `steps` is the timestep
+pipeline (pipeline/steps.py): block_noise, denoise_step and block_latents run on separate ranks.
 """
 
+import functools
 import hashlib
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 
 from avatar_cli.families.base import (AudioSource, Chunk, Family, Final, Geometry, Models, ParallelPlan, RollingState,
                                       Sampling)
@@ -70,6 +74,7 @@ from avatar_cli.families.wan_s2v.causal import (FRAMES_PER_BLOCK, RING_FRAMES, S
                                                 block_inputs, euler_step, prefill_sink)
 from avatar_cli.families.wan_s2v.family import (LEAD, NATIVE_FPS, WanS2VFamily, _cache_from, _cache_to,
                                                 size_less_than_area)
+from avatar_cli.families.wan_s2v.live_parallel import SequenceParallelStream
 from avatar_cli.families.wan_s2v.model_dir import WanS2VConfig
 
 BLOCK_FRAMES = 4 * FRAMES_PER_BLOCK  # 12 video frames a block
@@ -111,8 +116,11 @@ class LiveAvatarFamily(WanS2VFamily):
 
     @property
     def parallel(self) -> ParallelPlan:
-        # The DiT replicated (see the module docstring), umT5 sharded as in the clip mode (its forward is whole).
-        return ParallelPlan(sharded=("text",), float32=("vae", "audio"))
+        # The DiT replicated and each block split over the ranks (Ulysses, live_parallel.py); umT5 sharded as in the
+        # clip mode (its forward is whole). The timestep pipeline places nothing across ranks (pipeline/steps.py).
+        heads = self.config.dit.num_heads if self.config is not None else 1
+        return ParallelPlan(sharded=("text",), sequence_parallel="dit", sp_wrap=StreamingSequenceParallel,
+                            sp_heads=heads, float32=("vae", "audio"))
 
     def job_defaults(self) -> dict[str, Any]:
         return {"video.fps": NATIVE_FPS, "sampling.steps": 4, "sampling.guidance": 1.0, "sampling.shift": 3.0,
@@ -169,9 +177,17 @@ class LiveAvatarFamily(WanS2VFamily):
         steps through the per-step rings -> the block's latents (3, 16, h, w); block 0's preceded by the 7 motion
         latents the decoder is primed with, where the decode timeline starts -> (10, 16, h, w). The same three
         pieces the timestep pipeline (pipeline/steps.py) runs on separate ranks."""
-        x = self.block_noise(inputs, ref, next(models["dit"].parameters()).dtype)  # (16, 3, h, w)
+        dit = models["dit"]
+        x = self.block_noise(inputs, ref, next(dit.parameters()).dtype)  # (16, 3, h, w)
         for step in range(sampling.steps):
             x = self.denoise_step(models, inputs, ref, x, step, sampling)  # (16, 3, h, w)
+        sp = getattr(dit, "stream", None)
+        if sp is not None:  # rank 0's state holds the whole caches, for its resume point; the others keep their heads
+            state = inputs["state"]
+            whole = sp.gather_caches(self._caches(state, sp.model, sampling.steps, 0, 0, x.dtype, x.device, sp),
+                                     device=x.device)
+            if whole is not None:
+                state.tensors.update({CACHE_PREFIX + n: t for n, t in whole.tensors().items()})
         return self.block_latents(inputs, ref, x)
 
     # --- a block in pieces: its noise, each denoising step, its latents --------------------------------------
@@ -188,19 +204,28 @@ class LiveAvatarFamily(WanS2VFamily):
         """Denoising step `step` of the block: x (16, 3, h, w) -> (16, 3, h, w). The sink is prefilled first when the
         state's is empty (block 0) or when the rolled sink frame waits in the state (block 4). own_ring: the state
         holds this step's ring alone (a timestep-pipeline rank), not one per step."""
-        dit, state, g = models["dit"], inputs["state"], inputs["block"]
+        state, g = inputs["state"], inputs["block"]
+        sp = getattr(models["dit"], "stream", None)  # the ranks split each block (StreamingSequenceParallel)
+        dit = sp.model if sp is not None else models["dit"]
         r = ref["ref"]  # (16, 1, h, w) float32
         dtype = next(dit.parameters()).dtype
-        caches = self._caches(state, dit, 1 if own_ring else sampling.steps, r.shape[-2], r.shape[-1], dtype, r.device)
+        caches = self._caches(state, dit, 1 if own_ring else sampling.steps, r.shape[-2], r.shape[-1], dtype, r.device,
+                              sp)
+        prefill = functools.partial(sp.prefill_sink, caches) if sp is not None else functools.partial(prefill_sink, dit,
+                                                                                                      caches)
         if caches.sink_k.shape[1] == 0:
-            prefill_sink(dit, caches, r, ref["motion"], inputs["text"])
+            prefill(r, ref["motion"], inputs["text"])
         elif g == BLOCKS_PER_CLIP and SINK_FRAME in state.tensors:
-            prefill_sink(dit, caches, state.tensors.pop(SINK_FRAME), ref["motion"], inputs["text"])
+            prefill(state.tensors.pop(SINK_FRAME), ref["motion"], inputs["text"])
         if "block_inputs" not in inputs:  # the text and audio tokens the block's steps share
             inputs["block_inputs"] = block_inputs(dit, inputs["text"], inputs["audio"], x.shape[1])
         offset = sink_offset(inputs["seed"], g, step)
-        x = euler_step(dit, caches, step, sampling.steps, x, g, inputs["block_inputs"], offset, shift=sampling.shift,
-                       ring=0 if own_ring else step)  # (16, 3, h, w)
+        if sp is not None:
+            x = sp.euler_step(caches, step, sampling.steps, x, g, inputs["block_inputs"], offset,
+                              shift=sampling.shift)  # (16, 3, h, w)
+        else:
+            x = euler_step(dit, caches, step, sampling.steps, x, g, inputs["block_inputs"], offset,
+                           shift=sampling.shift, ring=0 if own_ring else step)  # (16, 3, h, w)
         # The rings were written in place; the sink is new after a prefill.
         state.tensors.update({CACHE_PREFIX + n: t for n, t in caches.tensors().items()})
         return x
@@ -265,11 +290,18 @@ class LiveAvatarFamily(WanS2VFamily):
 
     @staticmethod
     def _caches(state: RollingState, dit, steps: int, lat_h: int, lat_w: int, dtype: torch.dtype,
-                device: torch.device) -> CausalCaches:
-        """The caches of the state (empty rings at block 0, or after a resume the saved ones)."""
+                device: torch.device, sp: SequenceParallelStream | None = None) -> CausalCaches:
+        """The caches of the state (empty rings at block 0, or after a resume the saved ones). sp: this rank's heads
+        of them; whole caches in the state (rank 0 after a block, every rank after a resume) are cut to them."""
         own = {k[len(CACHE_PREFIX):]: v for k, v in state.tensors.items() if k.startswith(CACHE_PREFIX)}
         if own:
-            return CausalCaches.from_tensors(own)
+            caches = CausalCaches.from_tensors(own)
+            if sp is not None and caches.k.shape[3] == dit.params.num_heads:
+                caches = sp.shard_caches(caches)
+                state.tensors.update({CACHE_PREFIX + n: t for n, t in caches.tensors().items()})
+            return caches
+        if sp is not None:
+            return sp.empty_caches(lat_h, lat_w, steps=steps, dtype=dtype, device=device)
         return CausalCaches.empty(dit.params, lat_h, lat_w, steps=steps, dtype=dtype, device=device)
 
     def keep(self, chunk: Chunk, z: torch.Tensor, state: RollingState, chunking: Any) -> None:
@@ -302,6 +334,17 @@ class LiveAvatarFamily(WanS2VFamily):
                 made += n
         _cache_to(state, cache)
         return made
+
+
+class StreamingSequenceParallel(nn.Module):
+    """The DiT of the streaming mode on several ranks: the model (replicated) and the SequenceParallelStream that
+    splits each block's forward over the group (live_parallel.py). LiveAvatarFamily calls `stream`'s functions."""
+
+    def __init__(self, model: nn.Module, group):
+        super().__init__()
+        self.stream = SequenceParallelStream(model, group)  # checks the head count before any collective
+        self.dit = model
+        self.params = model.params
 
 
 def family_for_mode(config: WanS2VConfig, mode: str) -> Family:
