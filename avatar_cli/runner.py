@@ -428,6 +428,7 @@ def _render_locked(p: Prepared, reporter: Reporter, models: ModelCache | None, r
         "text_cache": text_cache.outcome(prompts, cached),
         "dtype": dtype_name(runtime.dtype), "dtype_reason": runtime.dtype_reason,
         "cpu_capability": cpu_info().capability,
+        **({"decode_worker_peak_rss_mb": writer.peak_rss_mb} if isinstance(writer, DecodeWorker) else {}),
     }
 
 

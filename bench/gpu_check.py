@@ -12,8 +12,8 @@ Each section is guarded: a failure prints its error and the rest still run (exit
     python bench/gpu_check.py [--budget-s 270] [--long-s 300] [--markdown FILE]
 
 --sections picks sections by name (comma-separated; default: the four behind 1-5, as they always ran):
-handoff, offload_overhead, encode_fps, renders, and `wan`, which the default leaves out (it needs ~45 GB of GPU
-memory and its own time budget):
+handoff, offload_overhead, encode_fps, renders, and `wan` and `decode`, which the default leaves out (wan needs
+~45 GB of GPU memory and its own time budget):
   6. wan: Wan2.2-S2V-14B at full size with random weights (WanS2VDiT 16.3 B parameters in bf16, the fp32 VAE),
      one 480p clip r >= 1 (fact sheet §3.6: latent 16x20x56x104, 32,760 tokens, audio [1,25,1024,80]):
      a measured bf16 matmul peak; the DiT forward (warm-up + median of 3, CUDA events), its peak memory,
@@ -23,6 +23,12 @@ memory and its own time budget):
      (continuing the timeline, 20 latents -> 80 frames) in fp32, the official dtype, and in bf16, and the fp32
      re-encode of the 73 motion frames every clip makes: median of 2 and peak memory. One JSON line per
      measurement ({"measure": ...}), then a summary line. bench/wan_budget.py predicts these on paper.
+  7. decode: runtime.decode worker vs inline (issue 16 §3), the sample job (mini) at 512x512, a 30 s clip, 2 renders
+     of each mode alternating: generate s, rtf, TTFF, the decode's seconds and the render process's wait on the
+     worker's queue, peak GPU memory, the worker's peak RSS, and whether the frames are identical. It renders, so
+     it needs av and omegaconf installed as below; about 2 minutes on one GPU (an estimate: 4 renders of ~20 s plus
+     the worker's start), timeout_s 240, after the install line below:
+         PYTHONUNBUFFERED=1 python3 bench/gpu_check.py --sections decode --budget-s 200 --markdown $OUT/gpu_check_decode.md
 
 --markdown writes the figures as a bench/results.md section (date, GPU, torch, command): paste it in.
 --smoke runs every section on the CPU at toy sizes (HostTransfer for the GPU, wall clock for CUDA
@@ -207,7 +213,7 @@ def speech(seconds: float, path: Path) -> Path:
     return path
 
 
-def render(seconds: float, work: Path) -> dict:
+def render(seconds: float, work: Path, overrides: tuple[str, ...] = ()) -> dict:
     from avatar_cli.report import JsonReporter
     from avatar_cli.runner import prepare, render as run_render
     from avatar_cli.spec import load_job
@@ -215,8 +221,8 @@ def render(seconds: float, work: Path) -> dict:
     audio = speech(seconds, work / f"speech_{int(seconds)}.wav")
     side = size(512, 64)
     job = load_job(ROOT / "sample_inputs" / "job.yaml",
-                   [f"audio={audio}", f"video.width={side}", f"video.height={side}", f"runtime.device={DEV.type}"],
-                   output=str(work / f"out_{int(seconds)}.mp4"))
+                   [f"audio={audio}", f"video.width={side}", f"video.height={side}", f"runtime.device={DEV.type}",
+                    *overrides], output=str(work / f"out_{int(seconds)}.mp4"))
     reset_peak()
     with open(work / "events.jsonl", "w") as events:
         summary = run_render(prepare(job, force=True), JsonReporter(events))
@@ -265,6 +271,34 @@ def encode_fps() -> None:
                 report(f"encode fps {codec} {side}x{side}", round(n / (time.perf_counter() - t0), 1))
             except Exception as e:  # nvenc needs the driver's libnvidia-encode
                 report(f"encode fps {codec} {side}x{side}", f"failed: {e}")
+
+
+def decode() -> None:
+    """7. runtime.decode worker vs inline: the sample job (mini) at 512x512, a 30 s clip, the modes alternating, 2
+    each. The worker takes cuda:1 when a second GPU is visible, else shares cuda:0 (then it overlaps the DiT's next
+    chunk through the GPU's time slicing between processes, and the encoder's CPU work with both). Peak GPU memory is
+    the render process's (torch's allocator); the worker's RSS comes from its own VmHWM."""
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        seconds = size(30, 1)
+        runs: dict[str, list[dict]] = {"inline": [], "worker": []}
+        for rep in range(size(2, 1)):
+            for mode in ("inline", "worker") if rep % 2 == 0 else ("worker", "inline"):
+                runs[mode].append(render(seconds, work, (f"runtime.decode={mode}",)))
+        for mode, done in runs.items():
+            gen = median([d["generate_s"] for d in done])
+            measure(f"decode {mode}", clip_s=seconds, generate_s=round(gen, 3),
+                    rtf=round(median([d["rtf"] for d in done]), 3), ttff_s=round(median([d["ttff_s"] for d in done]), 3),
+                    decode_s=round(median([d["compute_s"].get("decode", 0.0) for d in done]), 3),
+                    wait_s=round(median([d["compute_s"].get("decode_wait", 0.0) for d in done]), 3),
+                    peak_gpu_mb=round(max(d["peak_gpu_mb"] for d in done), 1),
+                    worker_peak_rss_mb=max((d.get("decode_worker_peak_rss_mb") or 0.0) for d in done) or None,
+                    worker_device="cuda:1" if DEV.type == "cuda" and torch.cuda.device_count() > 1 else str(DEV))
+        same = len({d["frames_digest"] for done in runs.values() for d in done}) == 1
+        report("decode summary", f"generate {RESULTS['decode inline: generate_s']} s inline vs "
+                                 f"{RESULTS['decode worker: generate_s']} s worker "
+                                 f"(x{RESULTS['decode inline: generate_s'] / RESULTS['decode worker: generate_s']:.2f}), "
+                                 f"same frames: {'yes' if same else 'NO'}")
 
 
 def measure(name: str, **fields) -> dict:
@@ -454,7 +488,7 @@ def markdown(command: str) -> str:
 
 
 DEFAULT_SECTIONS = ("handoff", "offload_overhead", "encode_fps", "renders")
-ALL_SECTIONS = (*DEFAULT_SECTIONS, "wan")
+ALL_SECTIONS = (*DEFAULT_SECTIONS, "wan", "decode")
 
 
 def main() -> int:
@@ -480,7 +514,7 @@ def main() -> int:
     report("GPU", torch.cuda.get_device_name(DEV) if DEV.type == "cuda" else "none (smoke run on the CPU)")
     report("torch", torch.__version__)
     sections = {"handoff": handoff, "offload_overhead": offload_overhead, "encode_fps": encode_fps,
-                "renders": lambda: renders(args.long_s, deadline), "wan": wan}
+                "renders": lambda: renders(args.long_s, deadline), "wan": wan, "decode": decode}
     for name in chosen:
         section = sections[name]
         if time.monotonic() > deadline:

@@ -174,6 +174,7 @@ class DecodeWorker:
         self.first_put: float | None = None  # perf_counter (system-wide monotonic) of the worker's first frame
         self.decode_s = 0.0  # the worker's decode seconds
         self.wait_s = 0.0  # the render process's seconds blocked on the queue
+        self.peak_rss_mb: float | None = None  # the worker's, once closed
         wrt = Runtime(self.device, runtime.dtype, runtime.dtype_reason)
         self._proc = ctx.Process(target=_worker_main, name="avatar-decode", daemon=True, args=(
             source, wrt, threads or torch.get_num_threads(), writer_path, writer_args, size, list(self._slots),
@@ -227,6 +228,7 @@ class DecodeWorker:
         while True:
             msg = self._next(block=True)
             if msg[0] == "closed":
+                self.peak_rss_mb = msg[1]
                 break
         self._closed = True
         self._proc.join(timeout=30)
@@ -382,7 +384,7 @@ def _serve(family: Family, publish: Any, runtime: Runtime, writer: Any, size: tu
         msg = inbox.get()
         if msg[0] == "close":
             writer.close()
-            outbox.put(("closed",))
+            outbox.put(("closed", _peak_rss_mb()))
             return
         if msg[0] == "abort":
             writer.abort()
@@ -414,6 +416,18 @@ def _serve(family: Family, publish: Any, runtime: Runtime, writer: Any, size: tu
             acks[slot] = new = _shared_buffer(need)
         layout = pack(acks[slot], cache) if cache else []
         outbox.put(("done", seq, slot, layout, hashing.hash.hexdigest(), new, first_put, decode_s))
+
+
+def _peak_rss_mb() -> float | None:
+    """This process's own peak RSS: VmHWM belongs to its address space, which exec made new (ru_maxrss would start
+    at the render process's peak when it was forked)."""
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        pass
+    return None
 
 
 class _FirstPut:
