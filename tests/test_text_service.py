@@ -142,7 +142,7 @@ def test_service_down_is_exit_2_at_validation_and_1_during_a_render(tiny_model, 
     assert fell_back["frames_digest"] == local["frames_digest"]
 
 
-def test_bad_requests_get_4xx_and_the_service_keeps_serving(tiny_model, tmp_path):
+def test_bad_requests_get_4xx_and_the_service_keeps_serving(tiny_model, tmp_path, monkeypatch):
     running = serve(tiny_model, token=TOKEN, max_bytes=4096)
     good = {"schema": SCHEMA, "prompt": "smiling"}
     auth = {"Authorization": f"Bearer {TOKEN}"}
@@ -169,7 +169,8 @@ def test_bad_requests_get_4xx_and_the_service_keeps_serving(tiny_model, tmp_path
         assert http.get("/v1/nothing", headers=auth).status_code == 404
         assert http.get("/v1/health").status_code == 401
     key = key_for(tiny_model, tmp_path, "smiling")
-    with TextServiceClient(running.url, token=TOKEN, retries=0) as client:
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)  # what a render's client sends
+    with TextServiceClient(running.url, retries=0) as client:
         assert client.encode(key)[0]["text"].shape == (1, 1, 16)
     with TextServiceClient(running.url, token="wrong-token-0123456789", retries=3) as client:
         with pytest.raises(ServiceError, match="HTTP 401"):  # a 4xx is not retried (no backoff wait here)

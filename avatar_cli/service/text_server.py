@@ -201,7 +201,7 @@ def is_loopback(host: str) -> bool:
 
 
 def resolve_token(token_file: Path | None, env: dict[str, str]) -> str | None:
-    """--token-file's first line, else $AVATAR_TEXT_TOKEN, else None."""
+    """--token-file's content (stripped), else $AVATAR_TEXT_TOKEN, else None."""
     if token_file is not None:
         try:
             token = token_file.read_text().strip()
