@@ -12,7 +12,8 @@ Each section is guarded: a failure prints its error and the rest still run (exit
     python bench/gpu_check.py [--budget-s 270] [--long-s 300] [--markdown FILE]
 
 --sections picks sections by name (comma-separated; default: the four behind 1-5, as they always ran):
-handoff, offload_overhead, encode_fps, renders, and `wan` and `decode`, which the default leaves out (wan needs
+handoff, offload_overhead, encode_fps, renders, and `wan`, `decode` and `live`, which the default leaves out (`live`
+is bench/live_gpu.py: the wan-s2v streaming mode's block forward at 704x384, its fps and TTFF; wan needs
 ~45 GB of GPU memory and its own time budget):
   6. wan: Wan2.2-S2V-14B at full size with random weights (WanS2VDiT 16.3 B parameters in bf16, the fp32 VAE),
      one 480p clip r >= 1 (fact sheet §3.6: latent 16x20x56x104, 32,760 tokens, audio [1,25,1024,80]):
@@ -72,6 +73,7 @@ from avatar_cli.runtime.offload import BlockOffloader, ModelOffloader, make_tran
 from avatar_cli.families.wan_s2v.dit import WanDiTParams, WanS2VDiT  # noqa: E402
 from avatar_cli.families.wan_s2v.vae import WanVAE, WanVAEParams  # noqa: E402
 import wan_budget as wb  # noqa: E402  (bench/: the Wan shapes and meta counting shared with the budget)
+import live_gpu  # noqa: E402  (bench/: the streaming mode's section)
 
 DEV = torch.device("cuda", 0)
 SMOKE = False  # --smoke: CPU, toy sizes
@@ -488,7 +490,7 @@ def markdown(command: str) -> str:
 
 
 DEFAULT_SECTIONS = ("handoff", "offload_overhead", "encode_fps", "renders")
-ALL_SECTIONS = (*DEFAULT_SECTIONS, "wan", "decode")
+ALL_SECTIONS = (*DEFAULT_SECTIONS, "wan", "decode", "live")
 
 
 def main() -> int:
@@ -514,7 +516,8 @@ def main() -> int:
     report("GPU", torch.cuda.get_device_name(DEV) if DEV.type == "cuda" else "none (smoke run on the CPU)")
     report("torch", torch.__version__)
     sections = {"handoff": handoff, "offload_overhead": offload_overhead, "encode_fps": encode_fps,
-                "renders": lambda: renders(args.long_s, deadline), "wan": wan, "decode": decode}
+                "renders": lambda: renders(args.long_s, deadline), "wan": wan, "decode": decode,
+                "live": lambda: live_gpu.live(sys.modules[__name__])}
     for name in chosen:
         section = sections[name]
         if time.monotonic() > deadline:
