@@ -46,3 +46,20 @@ def test_cpu_info_reads_torch():
     info = device.cpu_info()
     assert info.capability == torch.backends.cpu.get_cpu_capability()
     assert info.native_bf16 == (info.capability.startswith("AVX512") and (info.avx512_bf16 or info.amx))
+
+
+def test_threads_0_restores_the_start_count_after_a_job_that_set_one():
+    """A batch (or a test session) renders jobs in one process: runtime.threads: 0 after a job with threads: 1 must
+    not inherit that 1 (the thread count changes the order of float sums, and so the frames)."""
+    import torch
+
+    from avatar_cli.runtime import device
+
+    start = device._START_THREADS
+    try:
+        device.resolve_runtime("cpu", "float32", 1)
+        assert torch.get_num_threads() == 1
+        device.resolve_runtime("cpu", "float32", 0)
+        assert torch.get_num_threads() == start
+    finally:
+        torch.set_num_threads(start)
