@@ -20,8 +20,10 @@ demo: $(STAMP)
 	mkdir -p out
 	$(VENV)/bin/avatar render sample_inputs/job.yaml -o out/demo.mp4 --force
 
+# Two test processes (pytest-xdist): many tests wait on subprocesses, torch imports and rank rendezvous, so the
+# CPU-bound ones overlap them; --durations names the slowest, to keep CI's 15 minutes in view.
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --durations=25
 
 bench: $(STAMP)
 	$(PY) bench/run.py
