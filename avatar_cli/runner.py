@@ -28,7 +28,7 @@ from avatar_cli.pipeline.decode_worker import DecodeWorker
 from avatar_cli.pipeline.fingerprint import describe_change, job_fingerprint
 from avatar_cli.pipeline.run import ChunkDone, Pipeline, ResumeFrom, Stretch
 from avatar_cli.pipeline.schedule import num_frames
-from avatar_cli.pipeline.steps import choose_parallel, rank_skips
+from avatar_cli.pipeline.steps import check_family, choose_parallel, rank_skips
 from avatar_cli.report import Reporter, peak_rss_mb
 from avatar_cli.runtime.device import Runtime, cpu_info, dtype_name, resolve_runtime
 from avatar_cli.runtime.distributed import Dist, current_dist, launched_by_torchrun
@@ -128,9 +128,11 @@ def prepare(job: Job, force: bool = False) -> Prepared:
         raise InputError(f"{job.path}: {e}") from None
     decode_worker.check_setting(job.spec.runtime.decode.value, model.family)
     text_cache.check_service(job, model)  # a named text service: up and serving this model's encoder, else exit 2
-    if job.spec.runtime.parallel.value == "steps" and not model.family.step_pipeline:
-        raise InputError(f"{job.path}: runtime.parallel: steps: the {model.family.name} family's '{model.family.mode}' "
-                         "mode has no timestep pipeline (only the wan-s2v streaming mode has); use sequence or auto")
+    if job.spec.runtime.parallel.value == "steps":
+        try:
+            check_family(model.family)
+        except ValueError as e:
+            raise InputError(f"{job.path}: {e}") from None
     check_output(job.output, force)
     v = job.spec.video
     requested = (v.width, v.height) if v.width else None

@@ -42,8 +42,7 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.in
 _MAX_DIMS = 8
 
 
-def decode_rank() -> int:
-    return 0
+DECODE_RANK = 0
 
 
 def step_of(rank: int) -> int:
@@ -95,11 +94,16 @@ def recv(src: int, device: torch.device, group: dist.ProcessGroup | None) -> tor
     return t
 
 
-def check_world(family: Family, steps: int, world: int) -> None:
-    """ValueError naming the problem when this family and rank count cannot run the timestep pipeline."""
-    if not getattr(family, "step_pipeline", False):
+def check_family(family: Family) -> None:
+    """ValueError naming the family and mode when it has no timestep pipeline."""
+    if not family.step_pipeline:
         raise ValueError(f"runtime.parallel: steps: the {family.name} family's '{family.mode}' mode has no timestep "
                          "pipeline (only the wan-s2v streaming mode has); use sequence or auto")
+
+
+def check_world(family: Family, steps: int, world: int) -> None:
+    """ValueError naming the problem when this family and rank count cannot run the timestep pipeline."""
+    check_family(family)
     if world != ranks_needed(steps):
         raise ValueError(f"runtime.parallel: steps: {steps} denoising steps need {ranks_needed(steps)} ranks (one per "
                          f"step and one that decodes), not {world}: launch with --nproc {ranks_needed(steps)}")
@@ -118,10 +122,10 @@ def choose_parallel(setting: str, family: Family, steps: int, world: int) -> tup
         return "steps", f"asked for; {world} ranks = {steps} denoising steps + a decode rank"
     if setting == "sequence":
         return "sequence", "asked for"
-    if getattr(family, "step_pipeline", False) and world == ranks_needed(steps):
+    if family.step_pipeline and world == ranks_needed(steps):
         return "steps", (f"auto: {world} ranks = {steps} denoising steps + a decode rank: each rank runs one step of "
                          "every block, no collective inside a forward")
-    why = (f"{world} ranks, not {steps} steps + 1" if getattr(family, "step_pipeline", False)
+    why = (f"{world} ranks, not {steps} steps + 1" if family.step_pipeline
            else f"the {family.name} family's '{family.mode}' mode has no timestep pipeline")
     return "sequence", f"auto: {why}"
 
@@ -130,7 +134,7 @@ def rank_skips(family: Family, rank: int) -> set[str]:
     """Components the timestep pipeline's rank `rank` never runs: the decode rank needs only the decode and
     refine steps'; a step rank all but the decode-only ones."""
     needs = family.needs
-    if rank == decode_rank():
+    if rank == DECODE_RANK:
         keep = set(needs.get("decode", ())) | set(needs.get("refine", ()))
     else:
         keep = {n for step in ("reference", "prompt", "context", "denoise") for n in needs.get(step, ())}
@@ -147,12 +151,12 @@ def run_steps(pipe: "Pipeline", dist_: Dist, spec, image: torch.Tensor, audio: A
     sampling = Sampling(s.steps, s.guidance, s.shift)
     first = resume.next_chunk if resume else 0
     state = resume.state if resume else RollingState()
-    if dist_.rank == decode_rank():
+    if dist_.rank == DECODE_RANK:
         ttff = _decode_rank(pipe, dist_, spec, chunks, first, state, sink, size, on_chunk, on_stretch, timer, t0)
     else:
         _step_rank(pipe, dist_, spec, image, audio, chunks, first, state, sampling, timer)
         ttff = None
-    return RenderStats(frames=state.published if dist_.rank == decode_rank() else chunks[-1].publish_to,
+    return RenderStats(frames=state.published if dist_.rank == DECODE_RANK else chunks[-1].publish_to,
                        wall_s=time.perf_counter() - t0, ttff_s=ttff or 0.0,
                        compute_s=dict(timer.seconds))
 
@@ -167,6 +171,7 @@ def _step_rank(pipe: "Pipeline", dist_: Dist, spec, image: torch.Tensor, audio: 
     state = family.step_state(state, step)  # this step's ring only (a resumed state holds every step's)
     out = Outbox(group)
     stage = pipe.placement.stage
+    dtype = next(models["dit"].parameters()).dtype
     if first < len(chunks):
         pipe.context.release_before(audio, chunks[first].start - 1, fps)
     with timer("reference"), stage(pipe.reference.needs):
@@ -182,12 +187,11 @@ def _step_rank(pipe: "Pipeline", dist_: Dist, spec, image: torch.Tensor, audio: 
             with timer("a2v"), stage(pipe.a2v.needs):
                 if family.needs_sink_frame(chunk.index, state) and step != last - 1:
                     family.put_sink_frame(state, recv(last, device, group))  # rolled by the last step's rank
-                dtype = next(models["dit"].parameters()).dtype
                 x = family.block_noise(inputs, ref, dtype) if step == 0 else recv(dist_.rank - 1, device, group)
                 x = family.denoise_step(models, inputs, ref, x, step, sampling, own_ring=True)  # (16, 3, h, w)
             if dist_.rank == last:
                 z = family.block_latents(inputs, ref, x)  # (F, 16, h, w)
-                out.send(z, decode_rank())
+                out.send(z, DECODE_RANK)
                 frame = family.rolled_sink_frame(chunk.index, z)
                 if frame is not None and len(chunks) > family.sink_refresh_block:
                     for r in range(1, last):
@@ -196,7 +200,7 @@ def _step_rank(pipe: "Pipeline", dist_: Dist, spec, image: torch.Tensor, audio: 
             else:
                 out.send(x, dist_.rank + 1)
             for t in family.step_tensors(state, step, chunk.index).values():  # for the decode rank's checkpoint
-                out.send(t.clone(), decode_rank())
+                out.send(t.clone(), DECODE_RANK)
             out.end_block()
     finally:
         out.flush()
