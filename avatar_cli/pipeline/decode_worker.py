@@ -283,9 +283,13 @@ class DecodeWorker:
                 except (OSError, EOFError):
                     # A message that hands over a new cache buffer reads its file descriptor from the worker: gone
                     # with a worker that died right after sending it (its stretch is then not checkpointed).
+                    # The worker may have sent its error right after that message: let it exit, and raise that
+                    # error rather than the lost handover.
+                    self._proc.join(timeout=5)
                     if self._proc.is_alive():
                         raise
-                    self._raise_dead()
+                    block = False
+                    continue
                 if msg[0] == "ready":
                     self._ready = True
                     continue
