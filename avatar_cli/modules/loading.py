@@ -16,13 +16,13 @@ mis-shaped keys are named), so a wrong checkpoint fails before any data is read.
 """
 
 import os
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from avatar_cli.errors import InputError
 from avatar_cli.modules.tensor_files import (CheckpointFormatError, TensorInfo, read_safetensors_header,
@@ -163,7 +163,7 @@ def materialize(model: nn.Module, index: TensorIndex, device: torch.device | str
             if id(t) not in replaced:
                 info = index[name]
                 want = dtype if dtype is not None and info.dtype.is_floating_point else info.dtype
-                if isinstance(t, DTensor):
+                if _is_dtensor(t):
                     data = _read_dtensor(reader, name, info, t, fsdp.get(id(t)), device, want)
                 else:
                     data = torch.empty(info.shape, dtype=want, device=device if attr in module._parameters
@@ -181,9 +181,16 @@ def materialize(model: nn.Module, index: TensorIndex, device: torch.device | str
     _reset_non_persistent(model, device)
 
 
-def _read_dtensor(reader: "_Reader", name: str, info: TensorInfo, param: DTensor, fsdp_param, device: torch.device,
-                  dtype: torch.dtype) -> DTensor:
+def _is_dtensor(t: torch.Tensor) -> bool:
+    """DTensor without importing torch.distributed.tensor (~0.9 s): no DTensor exists before that import."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
+def _read_dtensor(reader: "_Reader", name: str, info: TensorInfo, param: "DTensor", fsdp_param, device: torch.device,
+                  dtype: torch.dtype) -> "DTensor":
     """This rank's dim-0 rows of `info` as a DTensor parameter like `param` (same mesh and placements)."""
+    from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     local_shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)

@@ -96,9 +96,11 @@ def resolve_model(model: str, base_dir: Path) -> ModelSource:
     if not directory.is_dir():
         names = ", ".join(sorted(SHIPPED))
         raise InputError(f"model: '{model}' is neither a shipped model ({names}) nor a directory ({directory})")
-    from avatar_cli.families.wan_s2v import model_dir as wan
+    from avatar_cli.families.wan_s2v import files as wan_files  # file names only: no transformers import
 
-    if wan.looks_like(directory):
+    if wan_files.looks_like(directory):
+        from avatar_cli.families.wan_s2v import model_dir as wan
+
         return ModelSource(str(directory), wan.read_config(directory), directory)
     return ModelSource(str(directory), read_config(directory), directory)
 
@@ -223,7 +225,7 @@ def check_directory(directory: Path) -> dict:
     directory = directory.expanduser()
     if not directory.is_dir():
         raise InputError(f"models check: {directory}: not a directory")
-    if wan.looks_like(directory):
+    if wan.wfiles.looks_like(directory):
         try:
             r = wan.check_path(directory)
         except CheckpointFormatError as e:

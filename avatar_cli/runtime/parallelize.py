@@ -18,12 +18,12 @@ The root module is never resharded after forward by FSDP2 (it would be re-gather
 whatever the policy.
 """
 
+import sys
 from typing import Literal
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 Reshard = Literal["per_block", "per_stage"]
 
@@ -40,6 +40,8 @@ def parallelize_model(model: nn.Module, mesh: DeviceMesh, *, reshard: Reshard = 
     Returns the same model, now an FSDPModule; call it as before, under torch.no_grad() (FSDP2 in
     torch 2.14 fails under inference_mode).
     """
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
     if reshard not in ("per_block", "per_stage"):
         raise ValueError(f"reshard must be 'per_block' or 'per_stage', got {reshard!r}")
     blocks = getattr(model, "blocks", None)
@@ -68,7 +70,7 @@ def prefetch_stage(model: nn.Module) -> None:
     schedule, as they do everything else. A no-op for a model that was not sharded.
     """
     for m in (model, model.blocks[0]):
-        if isinstance(m, FSDPModule):
+        if _is_sharded(m):
             m.unshard(async_op=True)
 
 
@@ -78,8 +80,15 @@ def reshard_stage(model: nn.Module) -> None:
     Harmless under "per_block" (already resharded). A no-op for a model that was not sharded.
     """
     for m in model.modules():
-        if isinstance(m, FSDPModule):
+        if _is_sharded(m):
             m.reshard()
+
+
+def _is_sharded(m: nn.Module) -> bool:
+    """An FSDPModule, without importing torch.distributed.fsdp (~0.7 s of a one-process render's start): no
+    module is one before parallelize_model imports it."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(m, fsdp.FSDPModule)
 
 
 def gpu_param_dtype(device_type: str) -> torch.dtype | None:

@@ -107,6 +107,15 @@ def find_layout(path: str | Path) -> ModelDir:
         "or the Diffusers layout (model_index.json, transformer/, ...)")
 
 
+def looks_like(path: Path) -> bool:
+    """A directory in one of the release's layouts (cheap: file names only)."""
+    try:
+        find_layout(path)
+        return True
+    except CheckpointFormatError:
+        return False
+
+
 def expected_from_module_dict(sd: dict[str, torch.Tensor]) -> Expected:
     return {k: (tuple(v.shape), None) for k, v in sd.items()}
 

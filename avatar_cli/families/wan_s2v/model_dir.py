@@ -93,15 +93,6 @@ class WanS2VConfig:
         return out
 
 
-def looks_like(path: Path) -> bool:
-    """A directory in one of the release's layouts (cheap: file names only)."""
-    try:
-        wfiles.find_layout(path)
-        return True
-    except CheckpointFormatError:
-        return False
-
-
 def _preset(header: dict, presets: dict, expected_of, exact: bool = True) -> str:
     """The preset whose expected names and shapes equal the header's, else "unknown"; with exact=False the one
     sharing the most (name, shape) pairs with it (to compare a damaged file with what it was meant to be)."""
