@@ -122,7 +122,7 @@ def test_resume_with_nothing_to_resume_renders_and_skips_what_is_done(job_dir: P
 
 @pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_signal_leaves_partial_and_checkpoint(job_dir: Path, sig, code):
-    write_wav(job_dir / "long.wav", 30.0)
+    write_wav(job_dir / "long.wav", 12.0)
     proc = start_render(str(job_dir / "job.yaml"), f"audio={job_dir / 'long.wav'}")
     try:
         wait_chunks(proc, 6)
@@ -332,7 +332,7 @@ def fill(disk: Path) -> None:
 
 
 def test_disk_full_mid_render_loses_nothing(job_dir: Path, small_disk: Path):
-    write_wav(job_dir / "long.wav", 60.0)
+    write_wav(job_dir / "long.wav", 20.0)
     out = small_disk / "video.mp4"
     proc = start_render(str(job_dir / "job.yaml"), f"audio={job_dir / 'long.wav'}", "-o", str(out))
     try:
