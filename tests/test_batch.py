@@ -7,6 +7,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import av
@@ -430,6 +431,71 @@ def test_render_checkpoint_does_not_grow_with_the_video(tmp_path: Path):
     point = found.points[0]
     assert found.since(point.digests) == every[point.digests:]
     assert json.loads(checkpoint.paths(partial)[0].read_text())["folded"] == ckpt.folded
+
+
+def test_expensive_resume_points_are_paced_and_big_ones_are_not_kept_eight_deep(tmp_path: Path, monkeypatch):
+    """Resume points that take long to write (LiveAvatar's ~46 GB state at full size) are written only while
+    they take <= BUDGET of the render's time; cheap ones after every stretch; big ones are kept 2 deep."""
+    import torch
+
+    from avatar_cli.families.base import RollingState
+    from avatar_cli.pipeline import checkpoint
+
+    def simulate(save_s: float, state_floats: int) -> tuple[checkpoint.CheckpointWriter, list[int], float]:
+        now = [0.0]
+        partial = tmp_path / f"{save_s}-{state_floats}" / "video.partial.mp4"
+        partial.parent.mkdir()
+        partial.write_bytes(b"")
+        writer = checkpoint.CheckpointWriter(partial, checkpoint.Checkpoint({}, 10**6, 0), clock=lambda: now[0])
+        real = writer._save
+
+        def slow(*args):
+            real(*args)
+            now[0] += save_s
+
+        writer._save = slow
+        saved = []
+        for i in range(200):
+            now[0] += 0.5  # a stretch rendered
+            writer.add_stretch(24 * i, 24 * (i + 1), f"{i:064x}")
+            if writer.due():
+                writer.save(i + 1, RollingState(tensors={"rings": torch.zeros(state_floats)}, published=24 * (i + 1)))
+                saved.append(i)
+        return writer, saved, now[0]
+
+    writer, saved, total = simulate(0.01, 16)  # cheap: every stretch, 8 points kept
+    assert len(saved) == 200 and len(writer.ckpt.points) == checkpoint.RING
+    writer, saved, total = simulate(2.0, 16)  # 2 s a point, 0.5 s a stretch: ~1 point in 45 stretches
+    assert saved[0] == 0 and 3 <= len(saved) <= 8, saved
+    assert writer.spent <= checkpoint.BUDGET * total + 2.0  # over the budget by at most the last point
+    assert len(writer.ckpt.points) == len(saved)  # fewer than RING: all kept
+    monkeypatch.setattr(checkpoint, "KEEP_BYTES", 3000)
+    writer, saved, _ = simulate(0.01, 256)  # 1 KiB a point: only the newest 2 fit with the rest
+    points = writer.ckpt.points
+    assert len(points) == 2 and [p.next_chunk for p in points] == [199, 200]
+    assert sorted(f.name for f in writer.partial.parent.glob("*.safetensors")) == sorted(p.state_file for p in points)
+
+
+def test_a_render_whose_resume_points_are_slow_writes_fewer_and_still_finishes(job_dir: Path, monkeypatch):
+    from avatar_cli import runner
+    from avatar_cli.pipeline import checkpoint
+    from avatar_cli.spec import load_job
+
+    written, real = [], checkpoint.CheckpointWriter._save
+
+    def slow(self, next_chunk, state):
+        real(self, next_chunk, state)
+        written.append(next_chunk)
+        time.sleep(0.3)
+
+    monkeypatch.setattr(checkpoint.CheckpointWriter, "_save", slow)
+    job = load_job(job_dir / "job.yaml")
+    stretches = []
+    monkeypatch.setattr(checkpoint.CheckpointWriter, "add_stretch",
+                        lambda self, *a: (stretches.append(a), self.ckpt.stretches.append(list(a))))
+    runner.render(runner.prepare(job), Recorder(), resume="auto")
+    assert job.output.exists() and len(stretches) >= 4
+    assert written[:1] == [1] and len(written) < len(stretches), (written, len(stretches))
 
 
 def test_terminal_messages_keep_brackets(capsys):

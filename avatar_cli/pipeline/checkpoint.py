@@ -12,12 +12,21 @@ Frames handed to the encoder reach the disk a little later (encoder queue, one f
 ring keeps several resume points: `--resume` picks the newest whose frames are all decodable on disk.
 Every write is atomic (temporary file + rename); the JSON is written last, so it never names a state file
 that isn't complete.
+
+How often: after every published stretch while resume points are cheap (mini: kilobytes, milliseconds). A big
+rolling state makes them expensive (LiveAvatar's rings and sink at full size: ~46 GB a point, a stretch every 12
+frames), so a point that took over QUICK_S to write is followed by the next only once writing them has taken at
+most BUDGET of the render's time since the first; and beyond the newest 2, older points are kept only while all
+the kept ones fit in KEEP_BYTES. Fewer points change nothing in what a resume renders (the frames after any point
+are bit-identical to an uninterrupted render's); a crash just redoes more of them.
 """
 
 import errno
 import hashlib
 import json
 import os
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -29,6 +38,9 @@ from avatar_cli.families.base import RollingState
 
 VERSION = 2  # 2: held stretches saved as [start, end) spans (a latent may make several frames)
 RING = 8  # resume points kept; covers the encoder queue plus the open fragment several times over
+BUDGET = 0.1  # the share of the render's wall time that writing expensive resume points may take
+QUICK_S = 0.05  # a point written faster than this is never a reason to skip the next
+KEEP_BYTES = 1 << 30  # older points (beyond the newest 2) are kept while all kept points' files fit in this
 
 
 @dataclass
@@ -126,15 +138,33 @@ def state_tensors(state: RollingState) -> dict[str, torch.Tensor]:
 
 
 class CheckpointWriter:
-    def __init__(self, partial: Path, ckpt: Checkpoint):
+    def __init__(self, partial: Path, ckpt: Checkpoint, clock: Callable[[], float] = time.perf_counter):
         self.partial = partial
         self.json_path, self.prefix = paths(partial)
         self.ckpt = ckpt
+        self.clock = clock
+        self.started: float | None = None  # when the first point was written
+        self.spent = 0.0  # seconds spent writing points since then
+        self.last_s = 0.0  # how long the last point took
+
+    def due(self) -> bool:
+        """Whether the next published stretch gets a resume point (see the module docstring)."""
+        if self.started is None or self.last_s < QUICK_S:
+            return True
+        return self.spent <= BUDGET * (self.clock() - self.started)
 
     def add_stretch(self, start: int, end: int, digest: str) -> None:
         self.ckpt.stretches.append([start, end, digest])
 
     def save(self, next_chunk: int, state: RollingState) -> None:
+        t0 = self.clock()
+        self._save(next_chunk, state)
+        self.last_s = self.clock() - t0
+        self.spent += self.last_s
+        if self.started is None:
+            self.started = t0
+
+    def _save(self, next_chunk: int, state: RollingState) -> None:
         c = self.ckpt
         c.seq += 1
         name = f"{self.prefix}{c.seq:08d}.safetensors"
@@ -148,7 +178,11 @@ class CheckpointWriter:
         os.replace(tmp, self.partial.parent / name)
         c.points.append(ResumePoint(next_chunk, state.published, name, held_spans(state),
                                     c.published_stretches))
-        dropped, c.points = c.points[:-RING], c.points[-RING:]
+        keep = min(len(c.points), RING)
+        sizes = [(self.partial.parent / pt.state_file).stat().st_size for pt in c.points[-keep:]]
+        while keep > 2 and sum(sizes[-keep:]) > KEEP_BYTES:
+            keep -= 1
+        dropped, c.points = c.points[:-keep], c.points[-keep:]
         c.fold(c.points[0].digests)
         c.bytes_written = self.partial.stat().st_size if self.partial.exists() else 0
         record = {k: v for k, v in asdict(c).items() if k != "expected"}
