@@ -59,8 +59,12 @@ class Prepared:
     @property
     def warnings(self) -> list[str]:
         """Input that renders, but not well: said before rendering (and by validate)."""
-        note = small_image_warning(self.image, self.job.reference, min(self.gen_size))
-        return [note] if note else []
+        notes = [small_image_warning(self.image, self.job.reference, min(self.gen_size))]
+        over = self.model.family.prompt_overflow(self.job.spec.prompt)
+        if over is not None:
+            notes.append(f"warning: prompt: {over[0]} tokens; the {self.model.family.name} family's text encoder "
+                         f"reads the first {over[1]} and ignores the rest")
+        return [n for n in notes if n]
 
     def estimated_bytes(self) -> int:
         """A generous estimate of the output's size, from the bitrate the quality setting implies."""

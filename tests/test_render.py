@@ -182,6 +182,18 @@ def test_models_lists_shipped_and_init_writes_a_dir(tmp_path: Path):
     assert (tmp_path / "m" / "config.json").is_file()
 
 
+def test_a_prompt_longer_than_the_text_encoder_reads_is_warned_about(job_dir: Path):
+    """The text encoder reads a fixed number of tokens and the family cuts the rest (as the official code does):
+    validate and render say so, naming the counts, instead of dropping words silently."""
+    long = "prompt=" + "smiling " * 17  # 17 known words, 17 tokens: mini reads 16
+    result = run_cli("validate", str(job_dir / "job.yaml"), long, "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["warnings"] == [
+        "warning: prompt: 17 tokens; the mini family's text encoder reads the first 16 and ignores the rest"]
+    fits = run_cli("validate", str(job_dir / "job.yaml"), "prompt=" + "smiling " * 16, "--json")
+    assert json.loads(fits.stdout)["warnings"] == []
+
+
 def test_validate_warns_about_a_tiny_reference(job_dir: Path):
     from avatar_cli.media.image import save_png
 

@@ -203,6 +203,16 @@ def test_kill_9_then_resume_is_bit_identical(wan_job: Path, tmp_path: Path):
     assert done["frames_digest"] == reference["frames_digest"], f"killed at clip {kill_at}"
 
 
+def test_prompt_overflow_counts_the_release_tokenizer(wan_dir: Path, tmp_path: Path):
+    family = resolve_model(str(wan_dir), tmp_path).family
+    limit = family.config.dit.text_len  # 16 at tiny size, 512 in the release
+    assert family.prompt_overflow("a person talking") is None
+    words = " ".join(["talking"] * limit)
+    n, reads = family.prompt_overflow(words)
+    ids = family.tokenizer(words, add_special_tokens=True).input_ids
+    assert (n, reads) == (len(ids), limit) and n > limit
+
+
 def test_check_job_refuses_wrong_motion_frames(wan_dir: Path, tmp_path: Path):
     family = resolve_model(str(wan_dir), tmp_path).family
     with pytest.raises(ValueError, match="motion_frames"):

@@ -198,6 +198,11 @@ class Family(ABC):
     def prompt(self, models: Models, prompt: str, device: torch.device, dtype: torch.dtype) -> Any:
         """The prompt's conditioning."""
 
+    def prompt_overflow(self, prompt: str) -> tuple[int, int] | None:
+        """(tokens the prompt makes, the most the text encoder reads) when it makes more, else None: the family
+        cuts such a prompt (as the official code does), so the render warns and the text service refuses it."""
+        return None
+
     # The text cache (pipeline/text_cache.py) stores the prompt's conditioning as flat named tensors (safetensors,
     # never a pickle). A family that does not say how is not cached: its prompt is encoded for every job.
     def prompt_tensors(self, out: Any) -> dict[str, torch.Tensor] | None:

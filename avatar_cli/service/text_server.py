@@ -28,7 +28,6 @@ import signal
 import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -39,7 +38,6 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from avatar_cli.errors import InputError, RenderError
-from avatar_cli.families.base import Family
 from avatar_cli.modules.registry import ModelSource, check_model, resolve_model
 from avatar_cli.pipeline.text_cache import IDENTITIES, EntryKey, encoder_dtype, entry_bytes, load_prompt_step
 from avatar_cli.runtime.device import Runtime, dtype_name, resolve_runtime
@@ -62,20 +60,6 @@ class EncodeRequest(BaseModel):
 
 class PromptTooLong(ValueError):
     pass
-
-
-def prompt_tokens(family: Family, prompt: str) -> tuple[int, int]:
-    """(tokens the prompt makes, the most the family takes). The families themselves cut a longer prompt
-    silently; the service says so instead."""
-    if family.name == "wan-s2v":
-        from avatar_cli.families.wan_s2v.text import clean_prompt
-
-        ids = family.tokenizer(clean_prompt(prompt), add_special_tokens=True, verbose=False).input_ids  # EOS included
-        return len(ids), family.config.dit.text_len
-    from avatar_cli.families.mini.text import tokenize
-
-    p = family.config.text
-    return len(tokenize(prompt, replace(p, max_tokens=len(prompt) + 1))), p.max_tokens
 
 
 class Encoder:
@@ -102,8 +86,9 @@ class Encoder:
 
     def encode(self, prompt: str) -> bytes:
         """The entry's bytes; PromptTooLong for a prompt the family would cut."""
-        n, limit = prompt_tokens(self.family, prompt)
-        if n > limit:
+        over = self.family.prompt_overflow(prompt)
+        if over is not None:
+            n, limit = over
             raise PromptTooLong(f"prompt: {n} tokens; the {self.family.name} family takes at most {limit}")
         with torch.no_grad():  # as the render's prompt step (pipeline/run.py)
             out = self.family.prompt(self.models, prompt, self.runtime.device, self.runtime.dtype)

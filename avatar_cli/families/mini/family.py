@@ -1,5 +1,6 @@
 """The mini family behind the renderer's interface: what each step of a chunk does with mini's models."""
 
+import dataclasses
 import hashlib
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -78,6 +79,11 @@ class MiniFamily(Family):
         if ids.shape[1] == 0:
             return torch.zeros(1, 0, text.params.dim, device=device, dtype=dtype)
         return text(ids)  # (1, Nt, text_dim)
+
+    def prompt_overflow(self, prompt: str) -> tuple[int, int] | None:
+        p = self.config.text
+        n = len(tokenize(prompt, dataclasses.replace(p, max_tokens=len(prompt) + 1)))
+        return (n, p.max_tokens) if n > p.max_tokens else None
 
     def prompt_tensors(self, out: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"text": out}  # (1, Nt, text_dim)

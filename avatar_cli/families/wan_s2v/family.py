@@ -39,7 +39,7 @@ from avatar_cli.families.wan_s2v.dit import WanS2VDiT
 from avatar_cli.families.wan_s2v.model_dir import WanS2VConfig
 from avatar_cli.families.wan_s2v.parallel import SequenceParallelWanDiT
 from avatar_cli.families.wan_s2v.sampler import sample_unipc
-from avatar_cli.families.wan_s2v.text import S2V_NEGATIVE_PROMPT, load_tokenizer, tokenize
+from avatar_cli.families.wan_s2v.text import S2V_NEGATIVE_PROMPT, clean_prompt, load_tokenizer, tokenize
 from avatar_cli.families.wan_s2v.vae import WanVAE, WanVAECache
 
 NATIVE_FPS = 16
@@ -175,6 +175,14 @@ class WanS2VFamily(Family):
         text = models["text"]
         return {"text": self._encode_text(text, prompt, device),
                 "negative": self._encode_text(text, S2V_NEGATIVE_PROMPT, device)}
+
+    def prompt_overflow(self, prompt: str) -> tuple[int, int] | None:
+        limit = self.config.dit.text_len
+        cleaned = clean_prompt(prompt)
+        if 2 * len(cleaned) + 1 <= limit:  # a piece is at least a character or a word-start mark, + EOS
+            return None  # (so a short prompt never loads the tokenizer)
+        n = len(self.tokenizer(cleaned, add_special_tokens=True, verbose=False).input_ids)  # EOS included
+        return (n, limit) if n > limit else None
 
     def prompt_tensors(self, out: dict) -> dict[str, torch.Tensor]:
         return {"text": out["text"], "negative": out["negative"]}  # (L, text_dim), (L', text_dim)
