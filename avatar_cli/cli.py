@@ -248,8 +248,8 @@ def prompts_encode(
     json: JsonOpt = None, debug: DebugOpt = False,
 ) -> None:
     """Fill the text cache for these jobs before a fleet run: each distinct prompt of each model encoded once
-    (only the text encoder is loaded); says how many were new and how many already cached. Exit 2 if a job is
-    bad (the others are still filled)."""
+    (only the text encoder is loaded; jobs with runtime.text_service.url ask that service instead); says how
+    many were new and how many already cached. Exit 2 if a job is bad (the others are still filled)."""
     def action(reporter):
         from avatar_cli.batch import expand_jobs
         from avatar_cli.errors import EXIT_BAD_INPUT, SpecError
@@ -263,7 +263,7 @@ def prompts_encode(
         for _, code, message in r.bad:
             reporter.error(code, message)
         _print_info(reporter, {"event": "prompts", "jobs": r.jobs, "distinct": r.distinct, "new": r.new,
-                               "cached": r.cached, "off": r.off, "bad": len(r.bad)})
+                               "fetched": r.fetched, "cached": r.cached, "off": r.off, "bad": len(r.bad)})
         return EXIT_BAD_INPUT if r.bad else 0  # a job that cannot be read is bad input, as in render
 
     _run(action, json, debug)

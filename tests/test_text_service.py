@@ -142,6 +142,32 @@ def test_service_down_is_exit_2_at_validation_and_1_during_a_render(tiny_model, 
     assert fell_back["frames_digest"] == local["frames_digest"]
 
 
+def test_prompts_encode_fills_the_cache_through_the_service(service, tiny_model, jobs, monkeypatch):
+    """`avatar prompts encode` asks the jobs' text service, as their renders would: this host loads no text
+    encoder, and the entries it writes are the ones a render then hits."""
+    from avatar_cli.pipeline import text_cache
+
+    def no_local_encoder(*_):
+        raise AssertionError("the text encoder was loaded here")
+
+    job = write_job(jobs, "fill", tiny_model, service.url, "cache")
+    with monkeypatch.context() as m:
+        m.setattr(text_cache, "_encode_all", no_local_encoder)
+        first = text_cache.fill([job], [], lambda _: None)
+        again = text_cache.fill([job], [], lambda _: None)
+    assert (first.new, first.fetched, first.cached, first.bad) == (1, 1, 0, [])
+    assert (again.new, again.fetched, again.cached) == (0, 0, 1)
+    key = key_for(tiny_model, jobs / "cache", "smiling calm")
+    assert TextCache(jobs / "cache").read(key)[1] is None
+
+    # The service down: the error a render would get, naming the URL; with fallback, encoded here instead.
+    down = closed_url()
+    with pytest.raises(RenderError, match=down.replace(".", r"\.")):
+        text_cache.fill([write_job(jobs, "down", tiny_model, down, "cache2")], [], lambda _: None)
+    fell_back = text_cache.fill([write_job(jobs, "fb", tiny_model, down, "cache3", fallback=True)], [], lambda _: None)
+    assert (fell_back.new, fell_back.fetched) == (1, 0)
+
+
 def test_bad_requests_get_4xx_and_the_service_keeps_serving(tiny_model, tmp_path, monkeypatch):
     running = serve(tiny_model, token=TOKEN, max_bytes=4096)
     good = {"schema": SCHEMA, "prompt": "smiling"}

@@ -490,7 +490,8 @@ def skipped(prompts: PromptCache, prompt: str) -> Collection[str]:
 class FillReport:
     jobs: int = 0  # jobs given
     distinct: int = 0  # distinct (model, dtype, cache folder, prompt) among them
-    new: int = 0  # encoded now
+    new: int = 0  # encoded now (here, or by the text service: `fetched` of them)
+    fetched: int = 0  # answered by the jobs' runtime.text_service
     cached: int = 0  # already in the cache
     off: int = 0  # jobs with runtime.text_cache: off (nothing to fill)
     bad: list[tuple[str, int, str]] = field(default_factory=list)  # (job, exit code, message)
@@ -499,14 +500,16 @@ class FillReport:
 def fill(paths: list[Path], overrides: list[str], note: Callable[[str], None]) -> FillReport:
     """Encode every distinct prompt of these jobs that its cache lacks, loading each model's text encoder once
     (and nothing else of it), on the device and in the dtype the job's runtime settings give on this host.
-    A bad job is reported in `bad` and the others are still filled."""
+    Jobs with a runtime.text_service ask it instead, as their renders would (so this host loads no encoder for
+    them; with `fallback: true` what the service fails is encoded here). A bad job is reported in `bad` and the
+    others are still filled; a failed service is the RenderError a render would get."""
     from avatar_cli.errors import AvatarError
     from avatar_cli.modules.registry import check_model, resolve_model
     from avatar_cli.runtime.device import resolve_runtime
     from avatar_cli.spec import load_job
 
     report = FillReport(jobs=len(paths))
-    groups: dict[tuple, tuple[ModelSource, Any, Path, set[str]]] = {}
+    groups: dict[tuple, tuple[ModelSource, Any, Path, Any, set[str]]] = {}
     for path in paths:
         try:
             job = load_job(path, overrides, None)
@@ -522,18 +525,24 @@ def fill(paths: list[Path], overrides: list[str], note: Callable[[str], None]) -
         except AvatarError as e:
             report.bad.append((str(path), e.exit_code, f"{path}: {e}"))
             continue
-        key = (source.fingerprint, str(runtime.device), str(runtime.dtype), str(folder))
-        groups.setdefault(key, (source, runtime, folder, set()))[3].add(job.spec.prompt)
-    for source, runtime, folder, texts in groups.values():
-        prompts = PromptCache(TextCache(folder), source, runtime.dtype, note)
+        service = rt.text_service
+        key = (source.fingerprint, str(runtime.device), str(runtime.dtype), str(folder), service.url,
+               service.fallback, service.timeout_s, service.retries)
+        groups.setdefault(key, (source, runtime, folder, service, set()))[4].add(job.spec.prompt)
+    for source, runtime, folder, service, texts in groups.values():
+        prompts = PromptCache(TextCache(folder), source, runtime.dtype, note, service=service)
         report.distinct += len(texts)
         todo = [t for t in sorted(texts) if not prompts.lookup(t, runtime.device)]
-        report.cached += len(texts) - len(todo)
+        cached = len(texts) - len(todo) - prompts.fetched
+        report.cached += cached
+        report.fetched += prompts.fetched
+        report.new += prompts.fetched
         if todo and prompts.enabled:
             _encode_all(prompts, source, runtime, todo)
             report.new += len(todo)
-        note(f"{source.name}: {len(texts)} prompt(s), {len(todo)} new, {len(texts) - len(todo)} already cached "
-             f"in {folder}")
+        by = f" ({prompts.fetched} from the text service at {service.url})" if prompts.fetched else ""
+        note(f"{source.name}: {len(texts)} prompt(s), {len(todo) + prompts.fetched} new{by}, {cached} already "
+             f"cached in {folder}")
     return report
 
 
