@@ -128,6 +128,14 @@ def _atomic_write(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+def _size(path: Path) -> int:
+    """A state file's size; 0 for one already gone (a resumed checkpoint's older points need not all exist)."""
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
 def state_tensors(state: RollingState) -> dict[str, torch.Tensor]:
     """Everything a resume needs: the held stretches and the family's own tensors (by their names)."""
     tensors = {f"held{i}": z for i, (_, _, z) in enumerate(state.held)}
@@ -179,7 +187,7 @@ class CheckpointWriter:
         c.points.append(ResumePoint(next_chunk, state.published, name, held_spans(state),
                                     c.published_stretches))
         keep = min(len(c.points), RING)
-        sizes = [(self.partial.parent / pt.state_file).stat().st_size for pt in c.points[-keep:]]
+        sizes = [_size(self.partial.parent / pt.state_file) for pt in c.points[-keep:]]
         while keep > 2 and sum(sizes[-keep:]) > KEEP_BYTES:
             keep -= 1
         dropped, c.points = c.points[:-keep], c.points[-keep:]
