@@ -219,13 +219,14 @@ def param_count(source: ModelSource) -> int:
 
 def check_directory(directory: Path) -> dict:
     """`avatar models check`: a report (dict) of a model directory, from headers only."""
+    from avatar_cli.families.wan_s2v import files as wan_files
     from avatar_cli.families.wan_s2v import model_dir as wan
     from avatar_cli.modules.tensor_files import CheckpointFormatError
 
     directory = directory.expanduser()
     if not directory.is_dir():
         raise InputError(f"models check: {directory}: not a directory")
-    if wan.wfiles.looks_like(directory):
+    if wan_files.looks_like(directory):
         try:
             r = wan.check_path(directory)
         except CheckpointFormatError as e:
