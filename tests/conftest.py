@@ -48,10 +48,13 @@ def tiny_model(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def job_dir(tmp_path: Path, tiny_model: Path) -> Path:
-    """A folder with ref.png, speech.wav (2.3 s) and job.yaml using the tiny model."""
+    """A folder with ref.png, speech.wav (2.3 s) and job.yaml using the tiny model.
+
+    I chunks on, as a GPU's `auto` has them, so the tests on this CPU run the whole schedule."""
     write_reference(tmp_path / "ref.png")
     write_wav(tmp_path / "speech.wav", 2.3)
     (tmp_path / "job.yaml").write_text(
         "reference: ref.png\naudio: speech.wav\noutput: out/video.mp4\n"
-        f"model: {tiny_model}\nseed: 3\nchunking:\n  frames: 16\n  motion_frames: 3\n  transition_frames: 4\n")
+        f"model: {tiny_model}\nseed: 3\nchunking:\n  frames: 16\n  motion_frames: 3\n  transitions: true\n"
+        "  transition_frames: 4\n")
     return tmp_path

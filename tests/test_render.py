@@ -91,9 +91,12 @@ def test_render_end_to_end(job_dir: Path):
 def test_output_size_and_fps_overrides(job_dir: Path, tmp_path: Path):
     out = tmp_path / "o.mp4"
     result = run_cli("render", str(job_dir / "job.yaml"), "video.fps=30", "video.width=96", "video.height=54",
-                     "chunking.transitions=false", "-o", str(out), "--json")
+                     "chunking.transitions=auto", "-o", str(out), "--json")
     assert result.returncode == 0, result.stderr
+    # auto on a CPU: no I chunks, said in the log and the done event
     assert [e["kind"] for e in events(result.stdout)[:-1]] == ["N"] * 5
+    assert events(result.stdout)[-1]["transitions"] is False
+    assert "transitions: off (auto: off on a CPU" in result.stderr
     with av.open(str(out)) as c:
         v = c.streams.video[0]
         assert (v.width, v.height) == (96, 54)
@@ -202,3 +205,17 @@ def test_validate_warns_about_a_tiny_reference(job_dir: Path):
     assert result.returncode == 0, result.stderr
     assert "only 8x8 px" in result.stderr and len(json.loads(result.stdout)["warnings"]) == 1
     assert json.loads(run_cli("validate", str(job_dir / "job.yaml"), "--json").stdout)["warnings"] == []
+
+
+@pytest.mark.parametrize("value, kinds, device, want", [
+    (True, ("N", "I"), "cpu", (True, "")),  # asked for: as asked, nothing to say
+    (False, ("N", "I"), "cuda", (False, "")),
+    ("auto", ("N", "I"), "cuda", (True, "auto: a GPU renders, where I chunks cost little")),
+    ("auto", ("N", "I"), "cpu", (False, "auto: off on a CPU")),
+    ("auto", ("N",), "cuda", (False, "")),  # wan-s2v has no I chunks: auto is off, silently
+])
+def test_auto_transitions_on_a_gpu_off_on_a_cpu(value, kinds, device, want):
+    from avatar_cli.runner import choose_transitions
+
+    on, why = choose_transitions(value, kinds, torch.device(device))
+    assert on is want[0] and why.startswith(want[1]) and bool(why) == bool(want[1])

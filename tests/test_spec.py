@@ -77,6 +77,7 @@ def test_overrides_and_output_flag(tmp_path, monkeypatch):
     (BASE, ["chunking.frames=0"], "chunking.frames must be positive"),
     (BASE, ["chunking.motion_frames=24"], "motion_frames must be smaller"),
     (BASE, ["chunking.transition_frames=0"], "transition_frames must be positive"),
+    (BASE, ["chunking.transitions=maybe"], "chunking.transitions must be true, false or auto"),
     (BASE, ["chunking.motion_frames=10", "chunking.transition_frames=20"], "must not exceed chunking.frames"),
     (BASE, ["video.width=255", "video.height=256"], "video.width"),
     (BASE, ["video.width=256"], "set together"),
@@ -113,3 +114,10 @@ def test_transitions_off_lifts_the_transition_rule(tmp_path):
 def test_missing_job_file(tmp_path):
     with pytest.raises(SpecError, match="no such file"):
         load_job(tmp_path / "nope.yaml")
+
+
+@pytest.mark.parametrize("value, want", [(None, "auto"), ("true", True), ("false", False), ("auto", "auto")])
+def test_transitions_take_a_bool_or_auto(tmp_path, value, want):
+    """auto is the default; true/false as YAML bools (old job files) stay bools, so a resume's digest is unchanged."""
+    job = load_job(write_job(tmp_path, BASE), [f"chunking.transitions={value}"] if value else [])
+    assert job.spec.chunking.transitions == want and type(job.spec.chunking.transitions) is type(want)

@@ -140,7 +140,7 @@ class WanS2VFamily(Family):
 
     def check_job(self, chunking: Any, sampling: Sampling) -> None:
         c = chunking
-        if c.transitions:
+        if c.transitions is True:  # auto means none here
             raise ValueError("chunking.transitions: the wan-s2v family has no I chunks (each clip continues from "
                              "the re-encoded frames before it); set chunking.transitions: false")
         if c.motion_frames != self.config.dit.motion_frames:

@@ -135,7 +135,7 @@ class LiveAvatarFamily(WanS2VFamily):
 
     def check_job(self, chunking: Any, sampling: Sampling) -> None:
         c = chunking
-        if c.transitions:
+        if c.transitions is True:  # auto means none here
             raise ValueError("chunking.transitions: the wan-s2v streaming mode has no I chunks (each block continues "
                              "from the key/value caches); set chunking.transitions: false")
         if c.motion_frames:
