@@ -196,7 +196,8 @@ def write_table(out_md: str | Path, res: dict, model: str, long_minutes: float, 
                 wall_s: float) -> None:
     cpu = platform.processor() or platform.machine()
     lines = [f"\n## Eval {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}: model `{model}`\n",
-             f"- machine: {platform.node()}, {cpu}, {os.cpu_count()} CPU cores, torch {torch.__version__}",
+             f"- machine: {platform.node()}, {cpu}, {os.cpu_count()} CPU cores, torch {torch.__version__} "
+             f"(CPU capability {torch.backends.cpu.get_cpu_capability()})",
              f"- command: `{command or 'avatar_cli.evaluate.evaluate(...)'}`",
              f"- long render: {long_minutes:g} min; eval wall time {wall_s / 60:.1f} min",
              f"- prompt and long renders: chunking.transitions auto, which chose "
