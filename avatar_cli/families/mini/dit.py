@@ -114,11 +114,12 @@ class DiTBlock(nn.Module):
         h = torch.cat([modulate(self.norm1(ctx), m_ctx[0], m_ctx[1]),
                        modulate(self.norm1(vid), m_vid[0], m_vid[1]).reshape(B, L * P, D)], dim=1)  # (B, N, D)
         a = self.attn(h, cos, sin)  # (B, N, D)
-        ctx = ctx + m_ctx[2] * a[:, :n_ctx]  # (B, Nc, D)
-        vid = vid + m_vid[2] * a[:, n_ctx:].reshape(B, L, P, D)  # (B, L, P, D)
+        # residual + gate * branch in one pass each (addcmul)
+        ctx = torch.addcmul(ctx, m_ctx[2], a[:, :n_ctx])  # (B, Nc, D)
+        vid = torch.addcmul(vid, m_vid[2], a[:, n_ctx:].reshape(B, L, P, D))  # (B, L, P, D)
 
-        ctx = ctx + m_ctx[5] * self.mlp(modulate(self.norm2(ctx), m_ctx[3], m_ctx[4]))  # (B, Nc, D)
-        vid = vid + m_vid[5] * self.mlp(modulate(self.norm2(vid), m_vid[3], m_vid[4]))  # (B, L, P, D)
+        ctx = torch.addcmul(ctx, m_ctx[5], self.mlp(modulate(self.norm2(ctx), m_ctx[3], m_ctx[4])))  # (B, Nc, D)
+        vid = torch.addcmul(vid, m_vid[5], self.mlp(modulate(self.norm2(vid), m_vid[3], m_vid[4])))  # (B, L, P, D)
         return ctx, vid
 
 

@@ -42,7 +42,8 @@ class MLPEmbedder(nn.Module):
 
 
 def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return x * (1 + scale) + shift
+    """x * (1 + scale) + shift in one pass over x (addcmul), not two."""
+    return torch.addcmul(shift, x, 1 + scale)
 
 
 def rope_freqs(positions: torch.Tensor, dim: int, theta: float = 10_000.0) -> torch.Tensor:
@@ -63,9 +64,10 @@ def rope_3d(t: torch.Tensor, h: torch.Tensor, w: torch.Tensor, head_dim: int) ->
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (B, H, N, Dh); cos/sin (N, Dh/2). Rotates consecutive pairs."""
-    x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # (B, H, N, Dh/2) each
-    out = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)  # (B, H, N, Dh/2, 2)
+    """x (B, H, N, Dh); cos/sin (N, Dh/2). Rotates consecutive pairs: (x1 + i x2) (cos + i sin), one complex
+    multiply in float32 (one pass over x, where the real-valued form wrote six half-size temporaries)."""
+    xc = torch.view_as_complex(x.float().contiguous().unflatten(-1, (-1, 2)))  # (B, H, N, Dh/2) complex
+    out = torch.view_as_real(xc * torch.complex(cos, sin))  # (B, H, N, Dh/2, 2)
     return out.flatten(-2).to(x.dtype)  # (B, H, N, Dh)
 
 
