@@ -27,7 +27,7 @@ from avatar_cli.pipeline import decode_worker, text_cache
 from avatar_cli.pipeline.decode_worker import DecodeWorker
 from avatar_cli.pipeline.fingerprint import describe_change, job_fingerprint
 from avatar_cli.pipeline.run import ChunkDone, Pipeline, ResumeFrom, Stretch
-from avatar_cli.pipeline.schedule import num_frames
+from avatar_cli.pipeline.schedule import choose_transitions, num_frames
 from avatar_cli.pipeline.steps import check_family, choose_parallel, rank_skips
 from avatar_cli.report import Reporter, peak_rss_mb
 from avatar_cli.runtime.device import Runtime, cpu_info, dtype_name, resolve_runtime
@@ -217,23 +217,6 @@ def setup_runtime(spec) -> tuple[Runtime, Dist]:
     return runtime, dist
 
 
-def choose_transitions(value: bool | str, kinds: Collection[str], device: torch.device) -> tuple[bool, str]:
-    """chunking.transitions as a bool, and why when `auto` chose it ("" otherwise).
-
-    On a GPU the I chunks cost little next to the rest; on a CPU they were 27 % of the DiT's time (1.27x for the
-    demo without them, on 2 AVX2 cores) for an eval seam ratio of 0.852 against 0.866 without them (target <= 1.2;
-    bench/results.md). A family without I chunks (wan-s2v) has none to turn on.
-    """
-    if isinstance(value, bool):
-        return value, ""
-    if "I" not in kinds:
-        return False, ""
-    if device.type == "cuda":
-        return True, "auto: a GPU renders, where I chunks cost little"
-    return False, ("auto: off on a CPU, where I chunks cost about a quarter of the DiT's time and the eval sees no "
-                   "better seams with them; chunking.transitions=true turns them on")
-
-
 def _resume_point(p: Prepared, fingerprint: dict[str, str], reporter: Reporter, strict: bool):
     """Read the checkpoint an interrupted render left, and pick where to continue (None: start over).
 
@@ -323,7 +306,7 @@ def render(p: Prepared, reporter: Reporter, models: ModelCache | None = None, re
     if main and dist.enabled:
         reporter.info(f"parallel: {parallel} ({why})")
     p = replace(p, parallel=parallel)
-    on, why = choose_transitions(spec.chunking.transitions, p.model.family.geometry.kinds, runtime.device)
+    on, why = choose_transitions(spec.chunking.transitions, p.model.family.geometry.kinds, runtime.device.type)
     if on is not spec.chunking.transitions:  # auto, resolved before the fingerprint: a resume needs the same plan
         spec = replace(spec, chunking=replace(spec.chunking, transitions=on))
         p = replace(p, job=replace(p.job, spec=spec), transitions_reason=why)

@@ -215,7 +215,7 @@ def test_validate_warns_about_a_tiny_reference(job_dir: Path):
     ("auto", ("N",), "cuda", (False, "")),  # wan-s2v has no I chunks: auto is off, silently
 ])
 def test_auto_transitions_on_a_gpu_off_on_a_cpu(value, kinds, device, want):
-    from avatar_cli.runner import choose_transitions
+    from avatar_cli.pipeline.schedule import choose_transitions
 
-    on, why = choose_transitions(value, kinds, torch.device(device))
+    on, why = choose_transitions(value, kinds, device)
     assert on is want[0] and why.startswith(want[1]) and bool(why) == bool(want[1])

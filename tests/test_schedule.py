@@ -97,3 +97,22 @@ def test_last_frames_audio_windows_reach_past_the_end():
     starts = frame_window_starts(total - 1, 1, 25, p)
     end_s = (starts[0] + p.window_samples) / p.sample_rate
     assert end_s > 2.3  # the last window hangs past the audio; the reader zero-pads it
+
+
+def test_a_plan_needs_transitions_resolved_and_the_pipeline_resolves_auto():
+    """`auto` must never reach the plan as a truthy string (it did, through make bench's direct Pipeline)."""
+    from avatar_cli.families.mini.config import SIZES
+    from avatar_cli.families.mini.family import MiniFamily
+    from avatar_cli.pipeline.run import Pipeline
+    from avatar_cli.runtime.device import Runtime
+    from avatar_cli.spec import JobSpec
+
+    with pytest.raises(TypeError, match="transitions"):
+        plan(100, 24, 4, "auto", 6)
+    family = MiniFamily(SIZES["tiny"])
+    pipeline = Pipeline({}, family, Runtime(torch.device("cpu"), torch.float32), absent=family.components)
+    spec = JobSpec(reference="r.png", audio="a.wav", output="o.mp4")
+    assert spec.chunking.transitions == "auto"
+    assert {c.kind for c in pipeline.schedule(spec, 100)} == {"N"}  # a CPU: no I chunks
+    spec.chunking.transitions = True
+    assert {c.kind for c in pipeline.schedule(spec, 100)} == {"N", "I"}

@@ -13,6 +13,8 @@ from avatar_cli.families.base import Chunk
 
 def plan(total: int, frames: int, motion: int, transitions: bool, transition_frames: int) -> list[Chunk]:
     """The whole schedule for a video of `total` frames. Pure: no tensors, no I/O."""
+    if not isinstance(transitions, bool):  # `auto` is resolved for the device before a plan is made
+        raise TypeError(f"transitions must be True or False here, got {transitions!r}")
     chunks: list[Chunk] = []
     n_count = -(-total // frames)  # ceil
     published = 0
