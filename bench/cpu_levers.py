@@ -16,9 +16,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from avatar_cli.families.mini import layers
-from avatar_cli.families.mini.dit import DiT
+from avatar_cli.families.mini import dit as dit_module
+from avatar_cli.families.mini.dit import DiT, DiTBlock
 from avatar_cli.families.mini.config import SIZES
 from avatar_cli.families.mini.sr import SuperRes
 from avatar_cli.families.mini.vae import VAE
@@ -37,6 +39,52 @@ def ms(fn, repeats: int = 7) -> float:
     return statistics.median(times)
 
 
+def paired(run, modes: dict[str, callable], repeats: int = 15) -> dict[str, float]:
+    """Median ms of `run` under each mode (a function that switches it on), the modes interleaved so that a
+    noisy machine's slow spells hit them alike; 'ratio' is the median of first-mode / second-mode pairs."""
+    times: dict[str, list[float]] = {k: [] for k in modes}
+    for switch in modes.values():
+        switch()
+        run()
+    for i in range(repeats):
+        for name in (list(modes) if i % 2 == 0 else list(modes)[::-1]):
+            modes[name]()
+            t0 = time.perf_counter()
+            run()
+            times[name].append((time.perf_counter() - t0) * 1000)
+    a, b = times.values()
+    return {**{k: statistics.median(v) for k, v in times.items()},
+            "ratio": statistics.median(x / y for x, y in zip(a, b))}
+
+
+def _old_modulate(x, shift, scale):  # before f73bbcf: two passes
+    return x * (1 + scale) + shift
+
+
+def _old_rope(x, cos, sin):  # before f73bbcf: the real-valued rotation
+    x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2).to(x.dtype)
+
+
+def _old_block(self, ctx, vid, c_ctx, c_vid, cos, sin):  # before f73bbcf: residual + gate * branch in two passes
+    m_ctx, m_vid = self.ada(F.silu(c_ctx)).chunk(6, dim=-1), self.ada(F.silu(c_vid)).chunk(6, dim=-1)
+    B, L, P, D = vid.shape
+    n = ctx.shape[1]
+    h = torch.cat([_old_modulate(self.norm1(ctx), m_ctx[0], m_ctx[1]),
+                   _old_modulate(self.norm1(vid), m_vid[0], m_vid[1]).reshape(B, L * P, D)], dim=1)
+    a = self.attn(h, cos, sin)
+    ctx, vid = ctx + m_ctx[2] * a[:, :n], vid + m_vid[2] * a[:, n:].reshape(B, L, P, D)
+    ctx = ctx + m_ctx[5] * self.mlp(_old_modulate(self.norm2(ctx), m_ctx[3], m_ctx[4]))
+    return ctx, vid + m_vid[5] * self.mlp(_old_modulate(self.norm2(vid), m_vid[3], m_vid[4]))
+
+
+def _fused_resblock(self, x):  # measured, not kept: the residual add as oneDNN's binary post-op
+    y = layers.conv_silu(self.conv1, F.silu(x))
+    c = self.conv2
+    return torch.ops.mkldnn._convolution_pointwise.binary(y, x, c.weight, c.bias, list(c.padding), list(c.stride),
+                                                          list(c.dilation), c.groups, "add", None, None, [], None)
+
+
 class plain_path:
     """Turn the fused / sub-pixel CPU fast paths off (the formulas as written)."""
 
@@ -46,6 +94,10 @@ class plain_path:
 
     def __exit__(self, *exc):
         layers._fast_path = self.saved
+
+
+def setattr_all(fns) -> None:
+    dit_module.modulate, dit_module.apply_rope, DiTBlock.forward = fns
 
 
 @torch.no_grad()
@@ -102,6 +154,19 @@ def main() -> None:
     d0 = ms(lambda: dit(*inputs), 5)
     rows.append(("DiT forward, one N chunk (28 frames, 1922 tokens), plain ops", dp, 1.0))
     rows.append(("DiT forward, GELU fused into the MLP matmul", d0, dp / d0))
+    new = (dit_module.modulate, dit_module.apply_rope, DiTBlock.forward)
+    old = (_old_modulate, _old_rope, _old_block)
+    r = paired(lambda: dit(*inputs), {
+        "old": lambda: setattr_all(old), "new": lambda: setattr_all(new)})
+    rows.append(("DiT forward, modulate / gated residuals as addcmul + RoPE as a complex multiply (shipped; vs the "
+                 "two-pass forms, paired)", r["new"], r["ratio"]))
+    plain_res = layers.ResBlock2d.forward
+    r = paired(lambda: thin.decode(z, prev), {
+        "plain": lambda: setattr(layers.ResBlock2d, "forward", plain_res),
+        "fused": lambda: setattr(layers.ResBlock2d, "forward", _fused_resblock)})
+    layers.ResBlock2d.forward = plain_res
+    rows.append(("decoder, residual adds fused into the convolutions (not kept; vs shipped, paired)", r["fused"] / 8,
+                 r["ratio"]))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from torch.ao.quantization import quantize_dynamic  # deprecated: measured, not adopted
