@@ -169,9 +169,14 @@ def test_a_rank_count_the_heads_do_not_divide_is_bad_input_without_a_traceback(j
                         "-m", "avatar_cli", "render", str(job_dir / "job.yaml"), "-o", str(out), "--json"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0
-    error = json.loads(r.stdout.strip().splitlines()[-1])
-    assert error["code"] == 2 and "dit.heads=2 is not divisible by the degree 3" in error["message"]
-    assert "error (rank 1): sequence parallel" in r.stderr
+    # Each rank refuses on its own; torchrun's agent stops the others once one has, so which ranks get to say it
+    # depends on timing (in one CI run under load, rank 0's last line was another error, code 1). At least one
+    # rank names the reason, with exit code 2 (torchrun's own failure report below it is torchrun's).
+    reason = "dit.heads=2 is not divisible by the degree 3"
+    errors = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    said = [e for e in errors if e.get("event") == "error" and reason in e.get("message", "")]
+    assert all(e["code"] == 2 for e in said) and (said or f"): sequence parallel: {reason}" in r.stderr), \
+        r.stdout + r.stderr[-3000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["job.yaml", "ref.png", "speech.wav"]  # nothing written
 
 
