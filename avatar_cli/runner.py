@@ -51,7 +51,6 @@ class Prepared:
     size: tuple[int, int]  # output (width, height)
     gen_size: tuple[int, int]  # (width, height) the family generates at (the reference is fitted to it)
     parallel: str = "single"  # how the ranks split the work: single | sequence | steps (pipeline/steps.py)
-    transitions_reason: str = ""  # what chunking.transitions: auto chose from, when it chose
 
     @property
     def duration_s(self) -> float:
@@ -309,7 +308,9 @@ def render(p: Prepared, reporter: Reporter, models: ModelCache | None = None, re
     on, why = choose_transitions(spec.chunking.transitions, p.model.family.geometry.kinds, runtime.device.type)
     if on is not spec.chunking.transitions:  # auto, resolved before the fingerprint: a resume needs the same plan
         spec = replace(spec, chunking=replace(spec.chunking, transitions=on))
-        p = replace(p, job=replace(p.job, spec=spec), transitions_reason=why)
+        p = replace(p, job=replace(p.job, spec=spec))
+    if main and why:
+        reporter.info(f"transitions: {'on' if on else 'off'} ({why})")
     partial = p.job.partial_output
     fingerprint = job_fingerprint(p.job, p.model)
     if main:
@@ -375,8 +376,6 @@ def _render_locked(p: Prepared, reporter: Reporter, models: ModelCache | None, r
         reporter.info(warning)
     if main and spec.runtime.dtype.value == "auto":
         reporter.info(f"dtype: {dtype_name(runtime.dtype)} ({runtime.dtype_reason})")
-    if main and p.transitions_reason:
-        reporter.info(f"transitions: {'on' if spec.chunking.transitions else 'off'} ({p.transitions_reason})")
     reporter.start(output=str(p.job.output), frames=frames, chunks=len(chunks), fps=spec.video.fps)
     done_chunks = resume_from.next_chunk if resume_from else 0
 

@@ -171,7 +171,7 @@ def evaluate(model: str = "mini", out_md: str | Path = "bench/results.md",
                 sheet.append(frame)
 
         long = r.render(ident, audio, on_frame=on_frame, keep=False)
-        res["long_transitions"] = float(long.transitions)  # the prompt and long renders run as `auto` chooses here
+        res["long_transitions"] = long.transitions  # the prompt and long renders run as `auto` chooses here
         res["drift"], res["face_err_early"], res["face_err_late"] = M.drift_ratio(np.array(errors), 25.0)
         # The floor: the generator's own first 10 s of this identity and speech (head sway, mouth, blinks).
         truth = make_clip(ident, aud, 10.0, 25, size=cfg.image_size)
