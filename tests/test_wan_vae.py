@@ -104,3 +104,24 @@ def test_rejects_bad_inputs(vae, io_):
         vae.decode_stream(io_["z"][:, :, 1:2], cache)  # batch 2 after a batch-1 timeline
     with pytest.raises(ValueError, match="slot"):
         WanVAECache.from_tensors({"latents": torch.tensor(1), "slot.001": torch.zeros(1)})
+
+
+def test_cpu_kernels_agree_with_torchs_and_are_the_ones_used(vae, io_, whole, monkeypatch):
+    """On a CPU the decoder calls oneDNN for its convolutions and sums squares for its norm (bench/wan_vae_cpu.py:
+    torch's own choices were 3x slower here); with torch's choices it decodes the same to float rounding."""
+    from avatar_cli.families.wan_s2v import vae as vae_module
+
+    calls = []
+    real = torch.mkldnn_convolution
+    monkeypatch.setattr(torch, "mkldnn_convolution", lambda *a: calls.append(a[0].shape) or real(*a))
+    with torch.no_grad():
+        one = vae.decode(io_["z"][:1], clamp=False)  # batch 1: torch alone would take slow_conv3d here
+    n_convs = sum(isinstance(m, vae_module.CausalConv3d) for m in vae.decoder.modules())
+    assert len(calls) >= n_convs and all(s[0] == 1 for s in calls)
+    assert torch.allclose(one, whole[:1], rtol=0, atol=1e-5 * whole.abs().max())
+    monkeypatch.setattr(vae_module, "_onednn_conv", lambda x: False)
+    monkeypatch.setattr(vae_module.RMSNorm, "forward",
+                        lambda self, x: torch.nn.functional.normalize(x, dim=1) * self.scale * self.gamma)
+    with torch.no_grad():
+        theirs = vae.decode(io_["z"][:1], clamp=False)
+    assert rel_err(one, theirs) < 1e-5

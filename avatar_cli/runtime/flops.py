@@ -1,8 +1,8 @@
 """Counting floating-point operations, for figures that compare across machines (FLOP/s against the peak).
 
-torch's FlopCounterMode counts matmuls and convolutions, but not the CPU flash-attention kernel or oneDNN's
-fused convolution that inference runs on the CPU; their formulas are registered here (2 per multiply-add,
-as torch counts).
+torch's FlopCounterMode counts matmuls and convolutions, but not the CPU flash-attention kernel or the oneDNN
+convolutions (mini's fused ones, the wan VAE's direct call) that inference runs on the CPU; their formulas are
+registered here (2 per multiply-add, as torch counts).
 """
 
 import torch
@@ -23,6 +23,11 @@ def _register() -> None:
 
     @register_flop_formula(torch.ops.mkldnn._convolution_pointwise)
     def _conv_pointwise(x_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
+        return conv_flop_count(list(x_shape), list(w_shape), list(out_shape), transposed=False)
+
+
+    @register_flop_formula(torch.ops.aten.mkldnn_convolution)
+    def _conv_onednn(x_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
         return conv_flop_count(list(x_shape), list(w_shape), list(out_shape), transposed=False)
 
 

@@ -136,6 +136,13 @@ def _tail(x: torch.Tensor, prev: torch.Tensor | None) -> torch.Tensor:
     return torch.cat([prev[:, :, t - CACHE_T:], x], dim=2)  # (B, C, 2, h, w)
 
 
+def _onednn_conv(x: torch.Tensor) -> bool:
+    """Whether CausalConv3d may call oneDNN directly for x: a CPU inference in a dtype oneDNN computes here."""
+    if x.device.type != "cpu" or torch.is_grad_enabled() or not torch.backends.mkldnn.is_available():
+        return False
+    return x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 class CausalConv3d(nn.Conv3d):
     """A Conv3d that pads time on the left only (2*p frames, or fewer when cached frames stand in for them), so
     output frame t sees input frames <= t. Spatial padding stays symmetric. The padding is applied explicitly,
@@ -153,6 +160,12 @@ class CausalConv3d(nn.Conv3d):
             x = torch.cat([prev, x], dim=2)  # (B, C, k + T, H, W): real history instead of zeros
             time_pad -= prev.shape[2]
         x = F.pad(x, (*self.space_pad, time_pad, 0))  # (B, C, 2p + T, H + 2p, W + 2p)
+        if _onednn_conv(x):
+            # torch sends a batch-1 input with few channels x frames x rows (< 20480) to its unblocked
+            # slow_conv3d; oneDNN was 1.6-4.7x faster on every such shape measured (bench/wan_vae_cpu.py),
+            # latent 0 at 480x832 included (96 x 3 x 62 rows: 58 ms -> 19 ms), and agrees to 2e-4.
+            return torch.mkldnn_convolution(x, self.weight, self.bias, [0, 0, 0], self.stride, self.dilation,
+                                            self.groups)  # (B, Cout, T', H', W')
         return super().forward(x)  # (B, Cout, T', H', W')
 
     def cached(self, x: torch.Tensor, walk: _Walk) -> torch.Tensor:
@@ -173,6 +186,11 @@ class RMSNorm(nn.Module):
         self.scale = dim ** 0.5
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu":
+            # F.normalize's strided vector_norm over dim 1 was 6-12x slower on a CPU than this sum of squares (the
+            # same value to 1 ulp; bench/wan_vae_cpu.py). On a GPU the full-size square would cost memory: kept.
+            norm = (x * x).sum(dim=1, keepdim=True).sqrt_().clamp_min_(1e-12)  # (B, 1, ...): F.normalize's eps
+            return x / norm * self.scale * self.gamma  # same shape as x
         return F.normalize(x, dim=1) * self.scale * self.gamma  # same shape as x
 
 
