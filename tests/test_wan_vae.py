@@ -125,3 +125,19 @@ def test_cpu_kernels_agree_with_torchs_and_are_the_ones_used(vae, io_, whole, mo
     with torch.no_grad():
         theirs = vae.decode(io_["z"][:1], clamp=False)
     assert rel_err(one, theirs) < 1e-5
+
+
+def test_flops_counted_on_the_cpu_path_equal_the_meta_count(vae, io_):
+    """make bench divides FLOPs by time: the direct oneDNN call must count as the convolution torch would run."""
+    from avatar_cli.runtime.flops import flop_counter
+
+    z = io_["z"][:1]
+    counts = []
+    for device in ("cpu", "meta"):
+        with torch.device(device):
+            model = WanVAE(WanVAEParams.tiny()).eval()
+        counter = flop_counter()
+        with torch.no_grad(), counter:
+            model.decode(z.to(device), clamp=False)
+        counts.append(counter.get_total_flops())
+    assert counts[0] == counts[1] > 0

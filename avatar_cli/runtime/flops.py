@@ -6,12 +6,15 @@ registered here (2 per multiply-add, as torch counts).
 """
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode, conv_flop_count, register_flop_formula, sdpa_flop_count
 
 _registered = False
 
 
 def _register() -> None:
+    # torch.utils.flop_counter imports triton and CUDA's bindings (0.1 s): paid by the runs that count (make bench),
+    # not by every render's start.
+    from torch.utils.flop_counter import conv_flop_count, register_flop_formula, sdpa_flop_count
+
     global _registered
     if _registered:
         return
@@ -31,6 +34,9 @@ def _register() -> None:
         return conv_flop_count(list(x_shape), list(w_shape), list(out_shape), transposed=False)
 
 
-def flop_counter() -> FlopCounterMode:
+def flop_counter():
+    """A torch FlopCounterMode that also knows the CPU kernels above."""
+    from torch.utils.flop_counter import FlopCounterMode
+
     _register()
     return FlopCounterMode(display=False)
