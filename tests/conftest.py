@@ -46,15 +46,20 @@ def tiny_model(tmp_path_factory) -> Path:
     return directory
 
 
-@pytest.fixture
-def job_dir(tmp_path: Path, tiny_model: Path) -> Path:
-    """A folder with ref.png, speech.wav (2.3 s) and job.yaml using the tiny model.
+def write_job(folder: Path, model: Path) -> Path:
+    """ref.png, speech.wav (2.3 s) and job.yaml using `model`, in folder.
 
     I chunks on, as a GPU's `auto` has them, so the tests on this CPU run the whole schedule."""
-    write_reference(tmp_path / "ref.png")
-    write_wav(tmp_path / "speech.wav", 2.3)
-    (tmp_path / "job.yaml").write_text(
+    write_reference(folder / "ref.png")
+    write_wav(folder / "speech.wav", 2.3)
+    (folder / "job.yaml").write_text(
         "reference: ref.png\naudio: speech.wav\noutput: out/video.mp4\n"
-        f"model: {tiny_model}\nseed: 3\nchunking:\n  frames: 16\n  motion_frames: 3\n  transitions: true\n"
+        f"model: {model}\nseed: 3\nchunking:\n  frames: 16\n  motion_frames: 3\n  transitions: true\n"
         "  transition_frames: 4\n")
-    return tmp_path
+    return folder
+
+
+@pytest.fixture
+def job_dir(tmp_path: Path, tiny_model: Path) -> Path:
+    """A folder with the tiny model's job (write_job)."""
+    return write_job(tmp_path, tiny_model)

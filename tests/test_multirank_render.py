@@ -9,6 +9,8 @@ import av
 import numpy as np
 import pytest
 
+from tests.conftest import write_job
+
 
 def render(job: Path, out: Path, *extra: str) -> dict:
     result = subprocess.run([sys.executable, "-m", "avatar_cli", "render", str(job), "-o", str(out), "--json", *extra],
@@ -27,23 +29,40 @@ def frames(path: Path) -> np.ndarray:
         return np.stack([f.to_ndarray(format="rgb24") for f in c.decode(video=0)]).astype(np.float32)
 
 
+def one_and_two_ranks(folder: Path, dtype: str) -> tuple[dict, dict]:
+    """The job in folder rendered by 1 rank (one.mp4) and by 2 (two.mp4); their done events."""
+    job = folder / "job.yaml"
+    one = render(job, folder / "one.mp4", f"runtime.dtype={dtype}")
+    two = render(job, folder / "two.mp4", f"runtime.dtype={dtype}", "--nproc", "2")
+    return one, two
+
+
+@pytest.fixture(scope="module")
+def float32_renders(tmp_path_factory, tiny_model: Path) -> tuple[Path, dict, dict]:
+    """The float32 pair, shared by the test that compares it and the two-node test that needs a 2-rank digest."""
+    folder = write_job(tmp_path_factory.mktemp("float32"), tiny_model)
+    return folder, *one_and_two_ranks(folder, "float32")
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_two_ranks_match_one(job_dir: Path, tmp_path: Path, dtype: str):
-    job = job_dir / "job.yaml"
-    one = render(job, tmp_path / "one.mp4", f"runtime.dtype={dtype}")
-    two = render(job, tmp_path / "two.mp4", f"runtime.dtype={dtype}", "--nproc", "2")
+def test_two_ranks_match_one(request, tmp_path: Path, dtype: str):
+    if dtype == "float32":
+        folder, one, two = request.getfixturevalue("float32_renders")
+    else:
+        folder = write_job(tmp_path, request.getfixturevalue("tiny_model"))
+        one, two = one_and_two_ranks(folder, dtype)
     assert (one["ranks"], two["ranks"]) == (1, 2)
-    a, b = frames(tmp_path / "one.mp4"), frames(tmp_path / "two.mp4")
+    a, b = frames(folder / "one.mp4"), frames(folder / "two.mp4")
     assert a.shape == b.shape == (58, 64, 64, 3)
     diff = np.abs(a - b)
     if dtype == "float32":
         assert diff.mean() < 0.05 and diff.max() <= 2.0
     else:  # bf16 rounding differs with the reduction order across ranks; still the same video
         assert diff.mean() < 2.0
-    assert not list(tmp_path.glob("*.partial*"))
+    assert not list(folder.glob("*.partial*"))
 
 
-def test_two_nodes_render_what_one_node_with_two_ranks_renders(job_dir: Path, tmp_path: Path):
+def test_two_nodes_render_what_one_node_with_two_ranks_renders(float32_renders, tmp_path: Path):
     """Multi-node rendezvous, two 'nodes' on this host: each worker is LOCAL_RANK 0 of its node."""
     import os
     import socket
@@ -51,8 +70,8 @@ def test_two_nodes_render_what_one_node_with_two_ranks_renders(job_dir: Path, tm
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    job, out = job_dir / "job.yaml", tmp_path / "nodes.mp4"
-    one_node = render(job, tmp_path / "node.mp4", "runtime.dtype=float32", "--nproc", "2")
+    folder, _, one_node = float32_renders  # one node, two ranks
+    job, out = folder / "job.yaml", tmp_path / "nodes.mp4"
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
     nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
                                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "t",
