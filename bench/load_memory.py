@@ -157,8 +157,12 @@ def worker(folder: Path, size: str, eager: bool) -> None:
     d = init_distributed("cpu")
     p = params(size)
     index = TensorIndex.from_safetensors(folder)
-    # Built before the baseline either way: the first meta build costs ~100 MB of one-time torch set-up.
+    # Before the baseline: the meta build, and what sharding imports on first use (torch._dynamo, FSDP2, DTensor):
+    # ~100 MB of one-time torch set-up, not memory the load holds.
     module = lazy_module("dit", WanS2VDiT, p, index)
+    import torch._dynamo  # noqa: F401
+    import torch.distributed.fsdp  # noqa: F401
+    import torch.distributed.tensor  # noqa: F401
     plan = ParallelPlan(sharded=("dit",), sp_heads=p.num_heads)
     gc.collect()
     d.barrier()  # both ranks start reading together, as they would in a render

@@ -17,7 +17,7 @@ from avatar_cli.families.wan_s2v.audio import (
     load_wav2vec2, normalization_stats, normalize, num_clips, num_feature_frames, num_w2v_frames)
 from avatar_cli.families.wan_s2v.text import (
     S2V_NEGATIVE_PROMPT, TEXT_LEN, UMT5_XXL, UMT5Params, build_text_encoder, clean_prompt, encode, load_tokenizer,
-    tokenize)
+    tokenize, umt5_state_shapes)
 
 GOLDEN = Path(__file__).parent / "golden" / "wan_s2v"
 TOK_DIR = GOLDEN / "t5_tokenizer"
@@ -183,6 +183,18 @@ def test_full_size_keys_on_meta():
     assert mapped == params
     assert sum(np.prod(s) for s in official.values()) == 5_680_910_336 == sum(p.numel() for p in model.parameters())
     assert {adapter_t5.hf_key_to_wan(k) for k in model.state_dict()} == official.keys()
+
+
+@pytest.mark.parametrize("size", ["tiny", "release"])
+def test_written_out_shapes_equal_the_built_encoders(size: str):
+    """umt5_state_shapes lists what build_text_encoder builds (header checks use it to skip the build and the
+    modeling import): the same names, in the same order, with the same shapes."""
+    from avatar_cli.families.wan_s2v.model_dir import T5_PRESETS
+
+    p = T5_PRESETS[size]
+    with torch.device("meta"):
+        built = {k: tuple(v.shape) for k, v in build_text_encoder(p).state_dict().items()}
+    assert list(umt5_state_shapes(p).items()) == list(built.items())
 
 
 # ---------------------------------------------------------------- audio

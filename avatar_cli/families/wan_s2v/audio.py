@@ -32,11 +32,15 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from fractions import Fraction
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from transformers import Wav2Vec2FeatureExtractor, Wav2Vec2ForCTC, Wav2Vec2Model
+from transformers import Wav2Vec2FeatureExtractor
+
+if TYPE_CHECKING:  # transformers' modeling import takes 1.9 s: made where a model is loaded
+    from transformers import Wav2Vec2Model
 
 __all__ = ["SAMPLE_RATE", "HOP", "FIELD", "W2V_FPS", "FEATURE_FPS", "VIDEO_FPS", "CLIP_FRAMES", "NUM_LAYERS",
            "num_w2v_frames", "num_feature_frames", "num_clips", "frame_indices", "feature_time_s", "load_wav2vec2",
@@ -103,6 +107,8 @@ def load_wav2vec2(folder: str | Path) -> tuple[Wav2Vec2Model, Wav2Vec2FeatureExt
     """The checkpoint's wav2vec2 folder, from disk only: the encoder in eval mode on CPU in float32 (the release's
     dtype; the official code keeps it there), and the feature extractor. The folder holds a Wav2Vec2ForCTC: it is
     loaded as such (every key used, no load report) and its CTC head dropped, since only hidden states are read."""
+    from transformers import Wav2Vec2ForCTC
+
     folder = Path(folder)
     ctc = Wav2Vec2ForCTC.from_pretrained(str(folder), local_files_only=True)
     model = ctc.wav2vec2.eval().requires_grad_(False)

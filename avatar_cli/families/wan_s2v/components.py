@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import Wav2Vec2Config, Wav2Vec2FeatureExtractor, Wav2Vec2Model
+from transformers import Wav2Vec2Config, Wav2Vec2FeatureExtractor
 from transformers.utils import logging as hf_logging
 
 from avatar_cli.families.wan_s2v.audio import hidden_states
@@ -41,6 +41,8 @@ class Wav2Vec2Audio(nn.Module):
     """wav2vec2 (the CTC model's encoder; its head is never used) -> (25, T_w, dim) hidden states."""
 
     def __init__(self, config: Wav2Vec2Config, extractor: Wav2Vec2FeatureExtractor):
+        from transformers import Wav2Vec2Model  # modeling: 1.9 s of import, paid only where a model is built
+
         super().__init__()
         self.model = Wav2Vec2Model(config).eval()
         self.extractor = extractor

@@ -261,6 +261,14 @@ def _gate_segments(y: torch.Tensor, gate: torch.Tensor, seg: int) -> torch.Tenso
     return torch.cat([y[:, :seg] * gate[:, 0:1], y[:, seg:] * gate[:, 1:2]], dim=1)  # (B, N, D)
 
 
+def _randn_over(shape: tuple[int, ...], divisor: float) -> torch.Tensor:
+    """randn(shape) / divisor on the default device, the official init. On the meta device (every header check
+    builds the DiT there) the division is skipped: it would run torch's Python reference ops, whose first use
+    imports torch._dynamo (1.8 s)."""
+    x = torch.randn(shape)
+    return x if x.is_meta else x / divisor
+
+
 class WanS2VBlock(nn.Module):
     """Self-attention, text cross-attention and FFN with 6-way modulation chosen per segment (official
     WanS2VAttentionBlock). The residual stream leaves in fp32 (the official modulation runs in fp32)."""
@@ -274,7 +282,7 @@ class WanS2VBlock(nn.Module):
         self.cross_attn = CrossAttention(d, p.num_heads, p.qk_norm, p.eps)
         self.norm2 = FP32LayerNorm(d, eps=p.eps, elementwise_affine=False)
         self.ffn = nn.Sequential(nn.Linear(d, p.ffn_dim), nn.GELU(approximate="tanh"), nn.Linear(p.ffn_dim, d))
-        self.modulation = nn.Parameter(torch.randn(1, 6, d) / d**0.5)
+        self.modulation = nn.Parameter(_randn_over((1, 6, d), d**0.5))
 
     def forward(self, x: torch.Tensor, e0: torch.Tensor, seg: int, freqs: torch.Tensor,
                 context: torch.Tensor) -> torch.Tensor:
@@ -322,7 +330,7 @@ class Head(nn.Module):
         super().__init__()
         self.norm = FP32LayerNorm(p.dim, eps=p.eps, elementwise_affine=False)
         self.head = nn.Linear(p.dim, p.patch_size[0] * p.patch_size[1] * p.patch_size[2] * p.out_dim)
-        self.modulation = nn.Parameter(torch.randn(1, 2, p.dim) / p.dim**0.5)
+        self.modulation = nn.Parameter(_randn_over((1, 2, p.dim), p.dim**0.5))
 
     def forward(self, x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
         """x (B, L, D); e (B, D) fp32 time embedding of the current t. -> (B, L, prod(patch)·out_dim) fp32."""

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from avatar_cli.modules.module import build_meta
 from avatar_cli.modules.tensor_files import CheckpointFormatError, TensorInfo, read_header
 
 OFFICIAL = "official"
@@ -147,24 +148,22 @@ def expected_for(component: str, layout: str, config: dict | None) -> tuple[Expe
             params = WanDiTParams.from_config(config)  # never the defaults (fact sheet §9.2)
         except (ValueError, TypeError) as e:
             raise CheckpointFormatError(str(e)) from None
-        with torch.device("meta"):
-            return expected_from_module(WanS2VDiT(params)), "WanS2VDiT(WanDiTParams.from_config(config.json))"
+        return expected_from_module(build_meta(WanS2VDiT, params)), "WanS2VDiT(WanDiTParams.from_config(config.json))"
     if component == "vae" and layout == OFFICIAL:
         try:
             from avatar_cli.families.wan_s2v.vae import WanVAE, WanVAEParams
         except ImportError:
             return None, "no VAE module to compare with"
-        with torch.device("meta"):
-            return expected_from_module(WanVAE(WanVAEParams.full())), "WanVAE(WanVAEParams.full())"
+        return expected_from_module(build_meta(WanVAE, WanVAEParams.full())), "WanVAE(WanVAEParams.full())"
     if component == "t5" and layout == OFFICIAL:
         try:  # transformers' UMT5EncoderModel, named back to the release's keys by the adapter
             from avatar_cli.families.wan_s2v.adapter_t5 import hf_to_wan
-            from avatar_cli.families.wan_s2v.text import UMT5_XXL, build_text_encoder
+            from avatar_cli.families.wan_s2v.text import UMT5_XXL, umt5_state_shapes
         except ImportError:
             return None, "no T5 module to compare with"
-        with torch.device("meta"):
-            hf = build_text_encoder(UMT5_XXL).state_dict()
-        return expected_from_module_dict(hf_to_wan(hf)), "build_text_encoder(UMT5_XXL) via adapter_t5.hf_to_wan"
+        official = hf_to_wan(umt5_state_shapes(UMT5_XXL))  # build_text_encoder(UMT5_XXL)'s names, unbuilt
+        return ({k: (s, None) for k, s in official.items()},
+                "build_text_encoder(UMT5_XXL) (its names, text.umt5_state_shapes) via adapter_t5.hf_to_wan")
     # The Diffusers layout's vae/ and text_encoder/ are compared by model_dir.check_path, which passes their
     # expected names (adapter_vae's renames; transformers' own names) with the sizes from their config.json or
     # headers. wav2vec2 is HF's own format (weight-norm names differ across transformers versions): loading it

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from avatar_cli.errors import InputError
 from avatar_cli.families.wan_s2v.dit import WanDiTParams, WanS2VDiT
-from avatar_cli.modules.module import _names
+from avatar_cli.modules.module import _names, build_meta
 from avatar_cli.modules.tensor_files import CheckpointFormatError, TensorInfo, read_safetensors_header
 
 # LiveAvatar's liveavatar/configs/s2v_causal_sft.yaml.
@@ -248,6 +248,5 @@ def checked_lora(dit: WanDiTParams, path: str | Path, rank: int = LIVEAVATAR_RAN
         lora = read_lora(path, rank)
     except CheckpointFormatError as e:
         raise InputError(f"lora: {e}") from None
-    with torch.device("meta"):
-        check_lora(WanS2VDiT(dit), lora)
+    check_lora(build_meta(WanS2VDiT, dit), lora)
     return LoraMerge(lora, lora_scale() if scale is None else scale)

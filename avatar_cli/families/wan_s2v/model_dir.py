@@ -18,6 +18,7 @@ Pickles: the `.pth` files are read only through `torch.load(weights_only=True, m
 (`modules.tensor_files.load_pth`), which refuses anything but a flat dict of tensors, with exit 2.
 """
 
+import functools
 import json
 import shutil
 from collections.abc import Mapping
@@ -26,7 +27,9 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
-from transformers import UMT5Config, Wav2Vec2Config, Wav2Vec2FeatureExtractor, Wav2Vec2ForCTC
+# transformers' modeling classes (1.9 s of import) are imported where a model is built or loaded, so that
+# `avatar validate`, `models check` and the --nproc launcher, which read configs and headers only, skip them.
+from transformers import UMT5Config, Wav2Vec2Config, Wav2Vec2FeatureExtractor
 
 from avatar_cli.errors import InputError
 from avatar_cli.families.wan_s2v import adapter_vae
@@ -34,7 +37,7 @@ from avatar_cli.families.wan_s2v import files as wfiles
 from avatar_cli.families.wan_s2v.adapter_t5 import hf_to_wan, load_into
 from avatar_cli.families.wan_s2v.components import UMT5Text, Wav2Vec2Audio
 from avatar_cli.families.wan_s2v.dit import WanDiTParams, WanS2VDiT
-from avatar_cli.families.wan_s2v.text import UMT5_XXL, UMT5Params, build_text_encoder
+from avatar_cli.families.wan_s2v.text import UMT5_XXL, UMT5Params, build_text_encoder, umt5_state_shapes
 from avatar_cli.families.wan_s2v.vae import WanVAE, WanVAEParams
 from avatar_cli.modules.loading import TensorIndex
 from avatar_cli.modules.module import Module, build_meta, lazy_module, save_safetensors
@@ -105,10 +108,10 @@ def _preset(header: dict, presets: dict, expected_of, exact: bool = True) -> str
     return best if score[best] == len(found) == len(expected[best]) else "unknown"
 
 
+@functools.cache  # a model dir's check asks for each preset's names more than once; the release VAE is 0.1 s
 def _vae_expected(p: WanVAEParams, layout: str = wfiles.OFFICIAL) -> wfiles.Expected:
     """Names and shapes of the VAE file: our module's (= the official names), or AutoencoderKLWan's."""
-    with torch.device("meta"):
-        sd = WanVAE(p).state_dict()
+    sd = build_meta(WanVAE, p).state_dict()
     if layout == wfiles.DIFFUSERS:
         sd = adapter_vae.official_to_diffusers(sd, p.num_res_blocks)
     return wfiles.expected_from_module_dict(sd)
@@ -117,9 +120,8 @@ def _vae_expected(p: WanVAEParams, layout: str = wfiles.OFFICIAL) -> wfiles.Expe
 def _t5_expected(p: UMT5Params, layout: str = wfiles.OFFICIAL) -> wfiles.Expected:
     """Names and shapes of the T5 file: the official names, or transformers' own (Diffusers text_encoder/; its
     tied embedding listed, which files.fit_tied drops where a file stores it once)."""
-    with torch.device("meta"):
-        sd = build_text_encoder(p).state_dict()
-    return wfiles.expected_from_module_dict(sd if layout == wfiles.DIFFUSERS else hf_to_wan(sd))
+    shapes = umt5_state_shapes(p)  # build_text_encoder(p)'s, without building it
+    return {k: (s, None) for k, s in (shapes if layout == wfiles.DIFFUSERS else hf_to_wan(shapes)).items()}
 
 
 _PRESETS = {"vae": VAE_PRESETS, "t5": T5_PRESETS}
@@ -290,6 +292,8 @@ def load_text(cfg: WanS2VConfig) -> Module:
 def _wav2vec2_split(folder: Path, extractor_folder: Path) -> Wav2Vec2Audio:
     """wav2vec2 whose feature extractor lives in another folder (the Diffusers audio_processor/): the CTC model's
     encoder as load_wav2vec2 takes it, wrapped without building a second random encoder (meta)."""
+    from transformers import Wav2Vec2ForCTC
+
     ctc = Wav2Vec2ForCTC.from_pretrained(str(folder), local_files_only=True)
     extractor = Wav2Vec2FeatureExtractor.from_pretrained(str(extractor_folder), local_files_only=True)
     with torch.device("meta"):
@@ -423,6 +427,8 @@ def _write_tiny(directory: Path, seed: int, layout: str = wfiles.OFFICIAL) -> No
         torch.save({k: v.contiguous() for k, v in hf_to_wan(text.state_dict()).items()},
                    directory / "models_t5_umt5-xxl-enc-bf16.pth")
         shutil.copytree(TINY_TOKENIZER, directory / "google" / "umt5-xxl")
+
+    from transformers import Wav2Vec2ForCTC
 
     w2v_dir = directory / ("audio_encoder" if diffusers else "wav2vec2-large-xlsr-53-english")
     with torch.random.fork_rng(devices=[]):

@@ -18,11 +18,15 @@ import html
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import ftfy
 import regex
 import torch
-from transformers import PreTrainedTokenizerFast, UMT5Config, UMT5EncoderModel
+from transformers import PreTrainedTokenizerFast, UMT5Config
+
+if TYPE_CHECKING:  # transformers' modeling import takes 1.9 s: made where the encoder is built
+    from transformers import UMT5EncoderModel
 
 __all__ = ["UMT5Params", "UMT5_XXL", "TEXT_LEN", "S2V_NEGATIVE_PROMPT", "umt5_config", "build_text_encoder",
            "load_tokenizer", "clean_prompt", "tokenize", "encode"]
@@ -72,9 +76,30 @@ def build_text_encoder(p: UMT5Params = UMT5_XXL, *, attn_implementation: str = "
     full size, then `adapter_t5.load_into`). "eager" (the default) computes attention as the official code does
     and is bit-identical to it in float32; "sdpa" is within 1e-6 relative (tested). At 512 tokens the eager score
     matrix is small (64 heads x 512 x 512 x 2 B = 34 MB per prompt in bf16)."""
+    from transformers import UMT5EncoderModel
+
     config = umt5_config(p)
     config._attn_implementation = attn_implementation  # read by every attention layer at forward time
     return UMT5EncoderModel(config).eval()
+
+
+
+def umt5_state_shapes(p: UMT5Params) -> dict[str, tuple[int, ...]]:
+    """The names and shapes of `build_text_encoder(p).state_dict()`, written out: reading a checkpoint's header
+    (validate, models check, the --nproc launcher) then needs no model built, nor transformers' modeling import
+    (1.9 s). tests/test_wan_text_audio.py holds it equal to the built model's, at the tiny and the release size."""
+    d, f = p.dim, p.ffn_dim
+    out = {"shared.weight": (p.vocab_size, d), "encoder.embed_tokens.weight": (p.vocab_size, d)}
+    for i in range(p.num_layers):
+        b = f"encoder.block.{i}.layer"
+        out.update({f"{b}.0.SelfAttention.{w}.weight": (d, d) for w in "qkvo"})
+        out[f"{b}.0.SelfAttention.relative_attention_bias.weight"] = (p.num_buckets, p.num_heads)
+        out[f"{b}.0.layer_norm.weight"] = (d,)
+        out.update({f"{b}.1.DenseReluDense.{w}.weight": (f, d) for w in ("wi_0", "wi_1")})
+        out[f"{b}.1.DenseReluDense.wo.weight"] = (d, f)
+        out[f"{b}.1.layer_norm.weight"] = (d,)
+    out["encoder.final_layer_norm.weight"] = (d,)
+    return out
 
 
 def _special_tokens(folder: Path) -> dict[str, str]:
