@@ -33,7 +33,7 @@ def _old_norm(self, x):
 
 
 def old() -> None:
-    RMSNorm.forward, vae_module._onednn_conv = _old_norm, lambda x: False
+    RMSNorm.forward, vae_module._onednn_conv = _old_norm, lambda x, w: False
 
 
 def new() -> None:

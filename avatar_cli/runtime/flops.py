@@ -11,25 +11,19 @@ _registered = False
 
 
 def _register() -> None:
-    # torch.utils.flop_counter imports triton and CUDA's bindings (0.1 s): paid by the runs that count (make bench),
-    # not by every render's start.
-    from torch.utils.flop_counter import conv_flop_count, register_flop_formula, sdpa_flop_count
-
     global _registered
     if _registered:
         return
     _registered = True
+    # torch.utils.flop_counter imports triton and CUDA's bindings (0.1 s): paid by the runs that count (make bench),
+    # not by every render's start.
+    from torch.utils.flop_counter import conv_flop_count, register_flop_formula, sdpa_flop_count
 
     @register_flop_formula(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu)
     def _sdpa_cpu(query_shape, key_shape, value_shape, *args, **kwargs) -> int:
         return sdpa_flop_count(query_shape, key_shape, value_shape)
 
-    @register_flop_formula(torch.ops.mkldnn._convolution_pointwise)
-    def _conv_pointwise(x_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
-        return conv_flop_count(list(x_shape), list(w_shape), list(out_shape), transposed=False)
-
-
-    @register_flop_formula(torch.ops.aten.mkldnn_convolution)
+    @register_flop_formula([torch.ops.mkldnn._convolution_pointwise, torch.ops.aten.mkldnn_convolution])
     def _conv_onednn(x_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
         return conv_flop_count(list(x_shape), list(w_shape), list(out_shape), transposed=False)
 

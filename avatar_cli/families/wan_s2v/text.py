@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # transformers' modeling import takes 1.9 s: made where the e
     from transformers import UMT5EncoderModel
 
 __all__ = ["UMT5Params", "UMT5_XXL", "TEXT_LEN", "S2V_NEGATIVE_PROMPT", "umt5_config", "build_text_encoder",
-           "load_tokenizer", "clean_prompt", "tokenize", "encode"]
+           "umt5_state_shapes", "load_tokenizer", "clean_prompt", "tokenize", "encode"]
 
 # The official tokenizer length (wan/configs/shared_config.py `text_len`): prompts are padded or truncated to it.
 TEXT_LEN = 512
@@ -81,7 +81,6 @@ def build_text_encoder(p: UMT5Params = UMT5_XXL, *, attn_implementation: str = "
     config = umt5_config(p)
     config._attn_implementation = attn_implementation  # read by every attention layer at forward time
     return UMT5EncoderModel(config).eval()
-
 
 
 def umt5_state_shapes(p: UMT5Params) -> dict[str, tuple[int, ...]]:

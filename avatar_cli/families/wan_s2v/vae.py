@@ -136,9 +136,11 @@ def _tail(x: torch.Tensor, prev: torch.Tensor | None) -> torch.Tensor:
     return torch.cat([prev[:, :, t - CACHE_T:], x], dim=2)  # (B, C, 2, h, w)
 
 
-def _onednn_conv(x: torch.Tensor) -> bool:
-    """Whether CausalConv3d may call oneDNN directly for x: a CPU inference in a dtype oneDNN computes here."""
-    if x.device.type != "cpu" or torch.is_grad_enabled() or not torch.backends.mkldnn.is_available():
+def _onednn_conv(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether CausalConv3d may call oneDNN directly: a CPU inference with a plain weight (not a DTensor or an
+    offloader's stand-in) in a dtype oneDNN computes here."""
+    if (x.device.type != "cpu" or torch.is_grad_enabled() or type(w) is not nn.Parameter
+            or not torch.backends.mkldnn.is_available()):
         return False
     return x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
@@ -160,7 +162,7 @@ class CausalConv3d(nn.Conv3d):
             x = torch.cat([prev, x], dim=2)  # (B, C, k + T, H, W): real history instead of zeros
             time_pad -= prev.shape[2]
         x = F.pad(x, (*self.space_pad, time_pad, 0))  # (B, C, 2p + T, H + 2p, W + 2p)
-        if _onednn_conv(x):
+        if _onednn_conv(x, self.weight):
             # torch sends a batch-1 input with few channels x frames x rows (< 20480) to its unblocked
             # slow_conv3d; oneDNN was 1.6-4.7x faster on every such shape measured (bench/wan_vae_cpu.py),
             # latent 0 at 480x832 included (96 x 3 x 62 rows: 58 ms -> 19 ms), and agrees to 2e-4.
