@@ -1,0 +1,63 @@
+"""Byte-compile what avatar imports: the last step of `make setup`, after `pip install --no-compile`.
+
+pip byte-compiles every file it installs, one after another: torch, triton, transformers and the rest are
+about 12,000 files, and compiling them was ~110 s of a ~190 s install on 2 cores, while a render and the test
+suite import a fraction of them. Python writes the bytecode of a module it imports itself, except where
+PYTHONDONTWRITEBYTECODE is set (CI machines and containers often set it): there every process would compile
+the modules it imports from source again (torch's alone cost ~1.5 s more per process). So setup imports, once
+and with bytecode writing on, what avatar's commands, its lazily imported parts and its tests import, in two
+processes at once. A module left out still works; it is compiled in memory each time it is imported.
+
+    python -m avatar_cli._bytecode
+"""
+
+import os
+import subprocess
+import sys
+
+# What avatar imports only inside the functions that need it (see each module), and what its tests run on.
+LAZY = [
+    "transformers.Wav2Vec2Model", "transformers.Wav2Vec2ForCTC", "transformers.UMT5EncoderModel",
+    "transformers.PreTrainedTokenizerFast", "diffusers.UniPCMultistepScheduler",
+    "torch.utils.flop_counter", "torch._dynamo", "torch.distributed.fsdp", "torch.distributed.tensor",
+    "torch.distributed.run", "torch.distributed.elastic.rendezvous.c10d_rendezvous_backend", "torch.testing",
+    "torch.utils.serialization", "typer._adapters", "typer._click.decorators", "typer.testing", "av.subtitles",
+    "numpy.ctypeslib", "numpy.ma", "numpy.testing", "pydantic.v1", "fastapi", "httpx", "uvicorn.loops.auto",
+    "uvicorn.protocols.http.auto", "uvicorn.protocols.websockets.auto", "uvicorn.lifespan.on", "uvicorn.lifespan.off",
+]
+TESTS = ["walk:_pytest", "pytest", "walk:xdist", "execnet", "anyio.pytest_plugin", "anyio._backends._asyncio"]
+
+_IMPORT_ALL = """
+import importlib, pkgutil, sys
+
+
+def load(name, quiet=False):
+    try:
+        module, _, attr = name.rpartition(".") if name.startswith(("transformers.", "diffusers.")) else (name, "", "")
+        imported = importlib.import_module(module)
+        if attr:
+            getattr(imported, attr)  # transformers and diffusers import their classes on first access
+        return imported
+    except Exception as e:  # an optional part missing here (the [test] extra, uvloop): nothing to compile
+        if not quiet:
+            print(f"bytecode: skipped {name}: {type(e).__name__}: {e}", file=sys.stderr)
+
+
+for name in sys.argv[1:]:
+    # walk: a package and every module in it (avatar's own, the plugins pytest loads, uvicorn's protocols)
+    package = load(name.removeprefix("walk:"))
+    if name.startswith("walk:") and package is not None:
+        for info in pkgutil.walk_packages(package.__path__, package.__name__ + ".", onerror=lambda name: None):
+            load(info.name, quiet=True)
+"""
+
+
+def main() -> int:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    groups = [["walk:avatar_cli"], LAZY + TESTS]
+    procs = [subprocess.Popen([sys.executable, "-c", _IMPORT_ALL, *group], env=env) for group in groups]
+    return max(p.wait() for p in procs)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
