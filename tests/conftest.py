@@ -1,6 +1,7 @@
 """Shared fixtures: a tiny model directory of the real architecture, and small generated inputs."""
 
 import os
+import subprocess
 import wave
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import pytest
 
 from avatar_cli.media.image import save_png
 from avatar_cli.modules.registry import init_model_dir
+from tests import forkserver
 
 
 def write_wav(path: Path, seconds: float, rate: int = 16_000, channels: int = 1, freq: float = 220.0) -> Path:
@@ -37,6 +39,24 @@ def _private_cache_folder(tmp_path_factory) -> None:
     """The text-encoding cache defaults to the user's cache folder: tests (and the renders they start) get a
     folder of their own instead, so they neither read nor leave entries there."""
     os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg_cache"))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _fork_server():
+    yield
+    forkserver.close_server()
+
+
+def avatar(*args: str, timeout: float = 300, cwd: Path | None = None, env: dict | None = None
+           ) -> subprocess.CompletedProcess:
+    """`python -m avatar_cli ARGS`, run to its end, output captured as text: a process forked from the test
+    process's fork server (tests/forkserver.py), which has torch and avatar_cli imported already."""
+    return forkserver.run(list(args), timeout=timeout, cwd=cwd, env=env)
+
+
+def start_avatar(*args: str, **kwargs) -> forkserver.ForkedCli:
+    """`python -m avatar_cli ARGS` started and left running (stdout/stderr pipes, as subprocess.Popen's)."""
+    return forkserver.ForkedCli(list(args), **kwargs)
 
 
 @pytest.fixture(scope="session")

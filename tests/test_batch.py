@@ -6,7 +6,6 @@ import random
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,11 +15,12 @@ import pytest
 
 from avatar_cli.batch import expand_jobs, take_shard
 from avatar_cli.media.writer import count_video_frames
-from tests.conftest import write_wav
+from tests.conftest import avatar, start_avatar, write_wav
+from tests.forkserver import ForkedCli
 
 
 def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "avatar_cli", *args], capture_output=True, text=True, timeout=timeout)
+    return avatar(*args, timeout=timeout)
 
 
 def events(stdout: str) -> list[dict]:
@@ -32,12 +32,11 @@ def decoded(path: Path) -> np.ndarray:
         return np.stack([f.to_ndarray(format="rgb24") for f in c.decode(video=0)]).astype(np.float32)
 
 
-def start_render(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "avatar_cli", "render", *args, "--json"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def start_render(*args: str) -> ForkedCli:
+    return start_avatar("render", *args, "--json")
 
 
-def wait_chunks(proc: subprocess.Popen, n: int) -> None:
+def wait_chunks(proc: ForkedCli, n: int) -> None:
     seen = 0
     for line in proc.stdout:
         if json.loads(line)["event"] == "chunk":

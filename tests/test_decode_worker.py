@@ -6,8 +6,6 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -24,7 +22,7 @@ from avatar_cli.pipeline import decode_worker as dw
 from avatar_cli.report import QuietReporter
 from avatar_cli.runtime.device import Runtime
 from avatar_cli.spec import load_job
-from tests.conftest import write_wav
+from tests.conftest import start_avatar, write_wav
 
 CPU = Runtime(torch.device("cpu"), torch.float32)
 
@@ -153,9 +151,8 @@ def test_an_error_inside_the_worker_comes_back_named(job_dir: Path):
 
 def test_a_killed_render_takes_its_worker_with_it(job_dir: Path):
     write_wav(job_dir / "long.wav", 10.0)
-    proc = subprocess.Popen([sys.executable, "-m", "avatar_cli", "render", str(job_dir / "job.yaml"),
-                             f"audio={job_dir / 'long.wav'}", "runtime.decode=worker", "--json"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = start_avatar("render", str(job_dir / "job.yaml"), f"audio={job_dir / 'long.wav'}", "runtime.decode=worker",
+                        "--json")
     try:
         pid = None
         for line in proc.stderr:

@@ -14,14 +14,13 @@ import pytest
 import torch
 
 from avatar_cli.runtime.device import auto_dtype
-from tests.conftest import write_wav
+from tests.conftest import avatar, write_wav
 
 FPS = 25
 
 
 def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "avatar_cli", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd)
+    return avatar(*args, cwd=cwd, timeout=timeout)
 
 
 def events(stdout: str) -> list[dict]:
@@ -55,8 +54,10 @@ def probe(path: Path) -> dict:
 
 
 def test_render_end_to_end(job_dir: Path):
+    """The installed entry point in a fresh interpreter (the other tests fork from tests/forkserver.py)."""
     out = job_dir / "out" / "video.mp4"
-    result = run_cli("render", str(job_dir / "job.yaml"), "--json")
+    result = subprocess.run([sys.executable, "-m", "avatar_cli", "render", str(job_dir / "job.yaml"), "--json"],
+                            capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     evs = events(result.stdout)
     assert [e["event"] for e in evs][-1] == "done" and all(e["event"] == "chunk" for e in evs[:-1])

@@ -1,8 +1,6 @@
 """The shipped `mini` weights: they load strictly and make the reference's face, whose mouth follows the speech."""
 
 import json
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,6 +15,7 @@ from avatar_cli.media.image import save_png
 from avatar_cli.modules.registry import check_model, load_modules, resolve_model
 from avatar_cli.synth import (EVAL_IDENTITY_SEEDS, HELDOUT_AUDIO_SEED_START, SAMPLE_RATE, make_clip, render_reference,
                               synth_speech)
+from tests.conftest import avatar
 
 
 def test_shipped_mini_is_trained_and_loads_strictly():
@@ -34,8 +33,7 @@ def test_shipped_mini_keeps_the_face_and_moves_the_mouth_with_the_audio(tmp_path
     audio = synth_speech(audio_seed, 8.0, rate)  # held-out speech of a held-out identity
     write_wav(tmp_path / "speech.wav", audio)
     (tmp_path / "job.yaml").write_text("reference: face.png\naudio: speech.wav\noutput: out.mp4\nseed: 1\n")
-    result = subprocess.run([sys.executable, "-m", "avatar_cli", "render", str(tmp_path / "job.yaml"), "--json"],
-                            capture_output=True, text=True, timeout=300)
+    result = avatar("render", str(tmp_path / "job.yaml"), "--json")
     assert result.returncode == 0, result.stderr
     with av.open(str(tmp_path / "out.mp4")) as c:
         frames = np.stack([f.to_ndarray(format="rgb24") for f in c.decode(video=0)])

@@ -4,7 +4,6 @@ and its lip-sync arithmetic, a render (1 rank; 2 ranks in test_multirank_render.
 import json
 import signal
 import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,14 +15,13 @@ from avatar_cli.families.base import Sampling
 from avatar_cli.families.wan_s2v.family import LEAD, WanS2VFamily, size_less_than_area
 from avatar_cli.modules.registry import check_model, init_family_dir, resolve_model
 from avatar_cli.pipeline.schedule import num_frames
-from tests.conftest import write_reference, write_wav
+from tests.conftest import avatar, start_avatar, write_reference, write_wav
 
 FPS = 16
 
 
 def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "avatar_cli", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    return avatar(*args, timeout=timeout)
 
 
 def events(stdout: str) -> list[dict]:
@@ -182,8 +180,7 @@ def test_kill_9_then_resume_is_bit_identical(wan_job: Path, tmp_path: Path):
 
     kill_at = 2  # after the second clip: the third resumes from its checkpoint
     out = wan_job / "out" / "video.mp4"
-    proc = subprocess.Popen([sys.executable, "-m", "avatar_cli", "render", job, f"audio={wan_job / 'long.wav'}",
-                             "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = start_avatar("render", job, f"audio={wan_job / 'long.wav'}", "--json")
     try:
         seen = 0
         for line in proc.stdout:

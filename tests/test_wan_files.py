@@ -22,6 +22,7 @@ from avatar_cli.modules.tensor_files import (
     read_safetensors_header,
     read_safetensors_index,
 )
+from tests.conftest import avatar
 
 GOLDEN = Path(__file__).parent / "golden" / "wan_s2v"
 DIT_PARAMS = 16_295_755_609  # fact sheet §2.2
@@ -418,9 +419,6 @@ def test_models_check_cli_on_the_sparse_14b_release(release):
 
 
 def test_models_check_cli_names_a_mis_shaped_tensor(tmp_path):
-    import subprocess
-    import sys
-
     from avatar_cli.modules.registry import init_family_dir
 
     d = tmp_path / "tiny"
@@ -429,8 +427,7 @@ def test_models_check_cli_names_a_mis_shaped_tensor(tmp_path):
     vae["decoder.head.2.weight"] = torch.zeros(3, 8, 3, 3, 2)  # one kernel dimension wrong
     del vae["conv2.bias"]
     torch.save(vae, d / "Wan2.1_VAE.pth")
-    result = subprocess.run([sys.executable, "-m", "avatar_cli", "models", "check", str(d), "--json"],
-                            capture_output=True, text=True, timeout=120)
+    result = avatar("models", "check", str(d), "--json", timeout=120)
     assert result.returncode == 2
     report = json.loads(result.stdout.strip().splitlines()[0])
     vae_report = report["components"]["vae"]

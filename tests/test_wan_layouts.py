@@ -15,7 +15,6 @@ import os
 import shutil
 import struct
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -30,7 +29,7 @@ from avatar_cli.families.wan_s2v.files import DIFFUSERS, OFFICIAL, TIED_T5_KEY
 from avatar_cli.families.wan_s2v.text import UMT5_XXL, umt5_config
 from avatar_cli.families.wan_s2v.vae import WanVAEParams
 from avatar_cli.modules.registry import check_directory
-from tests.conftest import write_reference, write_wav
+from tests.conftest import avatar, start_avatar, write_reference, write_wav
 
 GOLDEN = Path(__file__).parent / "golden" / "wan_s2v"
 VAE_PARAMS = 126_892_531  # fact sheet §4.1
@@ -43,8 +42,7 @@ def key_list(name: str) -> dict[str, tuple[int, ...]]:
 
 
 def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "avatar_cli", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    return avatar(*args, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -161,8 +159,7 @@ def test_both_layouts_render_the_same_frames(dirs, tmp_path):
         job = tmp_path / f"{layout}.yaml"
         job.write_text(f"reference: ref.png\naudio: speech.wav\noutput: out/{layout}.mp4\nmodel: {path}\n"
                        "prompt: a person talking\nseed: 3\nvideo: {width: 64, height: 64}\nsampling: {steps: 2}\n")
-        procs[layout] = subprocess.Popen([sys.executable, "-m", "avatar_cli", "render", str(job), "--json"],
-                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        procs[layout] = start_avatar("render", str(job), "--json", env=env)
     digests = {}
     for layout, proc in procs.items():
         out, err = proc.communicate(timeout=300)

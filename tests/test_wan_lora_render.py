@@ -29,7 +29,7 @@ from avatar_cli.runtime.distributed import Dist
 from avatar_cli.runtime.offload import HostTransfer
 from avatar_cli.runtime.placement import place
 from avatar_cli.spec import load_job
-from tests.conftest import write_reference, write_wav
+from tests.conftest import avatar, write_reference, write_wav
 
 RANK, SCALE = 4, 0.5
 GOLDEN = Path(__file__).parent / "golden" / "wan_s2v"
@@ -95,8 +95,7 @@ def job(models) -> Path:
 
 
 def render(job: Path, out: Path, *extra: str) -> dict:
-    result = subprocess.run([sys.executable, "-m", "avatar_cli", "render", str(job), "-o", str(out), "--json",
-                             *extra], capture_output=True, text=True, timeout=300)
+    result = avatar("render", str(job), "-o", str(out), "--json", *extra)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 

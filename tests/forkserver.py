@@ -1,0 +1,287 @@
+"""`python -m avatar_cli ARGS` for the tests, without paying a fresh interpreter's start each time.
+
+A fresh `avatar render` spends ~2.5 s of its ~3 s on a tiny model starting Python and importing torch,
+transformers and avatar_cli; the suite starts such processes about a hundred times. So each test process keeps
+a fork server (as multiprocessing's "forkserver" does): a single-threaded process that has imported those
+modules and done nothing else. Each `avatar` run is a child forked from it: a process of its own (its pid,
+signals, exit code, stdout and stderr pipes, environment and working folder), that runs avatar_cli's `__main__`
+the way `python -m` does. What it inherits is imports only: the server holds no test's state, no threads.
+
+The tests' Popen-like handle (ForkedCli) speaks to the server over a Unix socket: a request carries the child's
+stdout/stderr pipe ends (SCM_RIGHTS), its argv, folder and environment; the reply is the pid, then, when the
+child ends, its wait status. The few tests that check the installed entry point itself still start a fresh
+interpreter (test_render.py's end-to-end render, the torchrun tests).
+"""
+
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PRELOAD = ["torch", "numpy", "av", "typer", "rich", "omegaconf", "safetensors", "avatar_cli.cli",
+           "avatar_cli.report", "avatar_cli.runner", "avatar_cli.batch", "avatar_cli.spec",
+           "avatar_cli.families.mini.family", "avatar_cli.families.wan_s2v.family", "transformers"]
+
+
+# ---------------------------------------------------------------- the server (run as `python tests/forkserver.py`)
+
+def _child(conn: socket.socket, listener: socket.socket, request: dict, fds: list[int]) -> None:
+    """In the forked child: become `python -m avatar_cli ARGS` in the requested folder and environment."""
+    import runpy
+
+    code = 70
+    try:
+        listener.close()
+        conn.close()
+        os.setpgid(0, 0) if request.get("new_group") else None
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(fds[0], 1)
+        os.dup2(fds[1], 2)
+        for fd in (null, *fds):
+            os.close(fd)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as a fresh interpreter has them
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        threads = request["env"].get("OMP_NUM_THREADS", "")
+        import torch
+
+        torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0 else _DEFAULT_THREADS)
+        os.chdir(request["cwd"])
+        sys.path[0] = request["cwd"]  # as `python -m` puts the folder it starts in first
+        os.environ.clear()
+        os.environ.update(request["env"])
+        sys.stdout = open(1, "w", encoding="utf-8", errors="strict", buffering=1, closefd=False)
+        sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", buffering=1, closefd=False)
+        sys.argv = ["-m", *request["args"]]
+        try:
+            runpy.run_module("avatar_cli", run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            if not isinstance(e.code, (int, type(None))):
+                print(e.code, file=sys.stderr)
+        # What the interpreter does on its way out: wait for non-daemon threads, run atexit handlers.
+        import atexit
+        import threading
+
+        threading._shutdown()
+        atexit._run_exitfuncs()
+    except KeyboardInterrupt:
+        code = 128 + signal.SIGINT  # a SIGINT that escaped the CLI's own handling, as Python reports it
+        try:
+            import traceback
+
+            traceback.print_exc()
+        except BaseException:
+            pass
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except BaseException:
+            pass
+        os._exit(code)
+
+
+_DEFAULT_THREADS = 1  # torch's own choice in a process without OMP_NUM_THREADS; serve() asks torch
+
+
+def serve(path: str) -> None:
+    """Started without OMP_NUM_THREADS (see _Server): each child sets the thread count its environment asks for,
+    as torch does at start in a fresh process."""
+    import importlib
+
+    global _DEFAULT_THREADS
+    for name in PRELOAD:
+        importlib.import_module(name)
+    import torch
+
+    _DEFAULT_THREADS = torch.get_num_threads()
+    # What a wan render imports where it builds its models (see components.py, text.py, sampler.py).
+    from diffusers import UniPCMultistepScheduler  # noqa: F401
+    from transformers import UMT5EncoderModel, Wav2Vec2ForCTC, Wav2Vec2Model  # noqa: F401
+    parent = os.getppid()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(16)
+    print("ready", flush=True)
+    children: dict[int, socket.socket] = {}
+    while os.getppid() == parent:  # the test process is gone: so is the server
+        ready, _, _ = select.select([listener], [], [], 0.02)
+        if ready:
+            conn, _ = listener.accept()
+            message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 2)
+            request = json.loads(message)
+            pid = os.fork()
+            if pid == 0:
+                _child(conn, listener, request, fds)
+            for fd in fds:
+                os.close(fd)
+            conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+            children[pid] = conn
+        while children:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            conn = children.pop(pid, None)
+            if conn is not None:
+                try:
+                    conn.sendall(json.dumps({"status": status}).encode() + b"\n")
+                except OSError:  # the test gave up on it
+                    pass
+                conn.close()
+
+
+# ---------------------------------------------------------------- the tests' side
+
+class _Server:
+    def __init__(self) -> None:
+        self.folder = tempfile.mkdtemp(prefix="avatar-forkserver-")
+        self.path = os.path.join(self.folder, "socket")
+        env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.forkserver", self.path], stdout=subprocess.PIPE,
+                                     text=True, cwd=Path(__file__).resolve().parents[1], env=env)
+        line = self.proc.stdout.readline()
+        if line.strip() != "ready":
+            raise RuntimeError(f"the fork server did not start (exit {self.proc.wait()})")
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        for name in os.listdir(self.folder):
+            os.unlink(os.path.join(self.folder, name))
+        os.rmdir(self.folder)
+
+
+_server: _Server | None = None
+
+
+def _get_server() -> _Server:
+    global _server
+    if _server is None or _server.proc.poll() is not None:
+        _server = _Server()
+    return _server
+
+
+def close_server() -> None:
+    global _server
+    if _server is not None:
+        _server.close()
+        _server = None
+
+
+class ForkedCli:
+    """The part of subprocess.Popen the tests use, for `python -m avatar_cli ARGS` (text mode)."""
+
+    def __init__(self, args, *, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=None, env=None) -> None:
+        server = _get_server()
+        out_r, out_w = os.pipe() if stdout == subprocess.PIPE else (None, os.open(os.devnull, os.O_WRONLY))
+        err_r, err_w = os.pipe() if stderr == subprocess.PIPE else (None, os.open(os.devnull, os.O_WRONLY))
+        self.args = list(args)
+        request = {"args": self.args, "cwd": str(cwd or os.getcwd()), "env": dict(os.environ if env is None else env)}
+        self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._conn.connect(server.path)
+        socket.send_fds(self._conn, [json.dumps(request).encode()], [out_w, err_w])
+        os.close(out_w)
+        os.close(err_w)
+        self._reader = self._conn.makefile("r")
+        self.pid = json.loads(self._reader.readline())["pid"]
+        self.stdout = open(out_r, "r", encoding="utf-8") if out_r is not None else None
+        self.stderr = open(err_r, "r", encoding="utf-8", errors="backslashreplace") if err_r is not None else None
+        self.returncode: int | None = None
+
+    def _collect(self, timeout: float | None) -> int | None:
+        if self.returncode is not None:
+            return self.returncode
+        ready, _, _ = select.select([self._conn], [], [], timeout)
+        if not ready:
+            return None
+        line = self._reader.readline()
+        if not line:
+            raise RuntimeError("the fork server ended before its child")
+        self.returncode = os.waitstatus_to_exitcode(json.loads(line)["status"])
+        self._reader.close()
+        self._conn.close()
+        return self.returncode
+
+    def poll(self) -> int | None:
+        return self._collect(0)
+
+    def wait(self, timeout: float | None = None) -> int:
+        code = self._collect(timeout)
+        if code is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return code
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:  # ended and reaped by the server; its status is on the way
+                pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def communicate(self, timeout: float | None = None) -> tuple[str | None, str | None]:
+        """Read both pipes to their end (the child's exit closes them), then wait."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        chunks = {f: [] for f in (self.stdout, self.stderr) if f is not None}
+        open_files = [f for f in chunks if not f.closed]
+        while open_files:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, _, _ = select.select(open_files, [], [], left)
+            if not ready:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            for f in ready:
+                data = os.read(f.fileno(), 1 << 16)
+                if data:
+                    chunks[f].append(data)
+                else:
+                    open_files.remove(f)
+        self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        texts = {f: b"".join(c).decode("utf-8", "backslashreplace") for f, c in chunks.items()}
+        for f in chunks:
+            f.close()
+        return texts.get(self.stdout), texts.get(self.stderr)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for f in (self.stdout, self.stderr):
+            if f is not None:
+                f.close()
+        if self.returncode is None:
+            self.wait()
+
+
+def run(args, *, timeout: float | None = 300, cwd=None, env=None) -> subprocess.CompletedProcess:
+    """subprocess.run(..., capture_output=True, text=True) for `python -m avatar_cli ARGS`."""
+    proc = ForkedCli(args, cwd=cwd, env=env)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
+    return subprocess.CompletedProcess(["avatar", *args], proc.returncode, out, err)
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])
