@@ -5,7 +5,9 @@ transformers and avatar_cli; the suite starts such processes about a hundred tim
 a fork server (as multiprocessing's "forkserver" does): a single-threaded process that has imported those
 modules and done nothing else. Each `avatar` run is a child forked from it: a process of its own (its pid,
 signals, exit code, stdout and stderr pipes, environment and working folder), that runs avatar_cli's `__main__`
-the way `python -m` does. What it inherits is imports only: the server holds no test's state, no threads.
+the way `python -m` does. What it inherits is imports only: the server holds no test's state, no threads. A
+server is started per thread setting (OMP_NUM_THREADS: OpenMP reads it once, at start, for every thread a render
+starts), and test_render.py holds a forked render's frames equal to a fresh interpreter's.
 
 The tests' Popen-like handle (ForkedCli) speaks to the server over a Unix socket: a request carries the child's
 stdout/stderr pipe ends (SCM_RIGHTS), its argv, folder and environment; the reply is the pid, then, when the
@@ -49,19 +51,22 @@ def _child(conn: socket.socket, listener: socket.socket, request: dict, fds: lis
         signal.signal(signal.SIGINT, signal.default_int_handler)  # as a fresh interpreter has them
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        threads = request["env"].get("OMP_NUM_THREADS", "")
-        import torch
-
-        torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0 else _DEFAULT_THREADS)
         os.chdir(request["cwd"])
         sys.path[0] = request["cwd"]  # as `python -m` puts the folder it starts in first
         os.environ.clear()
         os.environ.update(request["env"])
         sys.stdout = open(1, "w", encoding="utf-8", errors="strict", buffering=1, closefd=False)
         sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", buffering=1, closefd=False)
-        sys.argv = ["-m", *request["args"]]
         try:
-            runpy.run_module("avatar_cli", run_name="__main__", alter_sys=True)
+            if request.get("entry"):  # `python -c "from MODULE import FUNCTION; FUNCTION()" ARGS`
+                import importlib
+
+                sys.argv = ["-c", *request["args"]]
+                module, function = request["entry"].split(":")
+                getattr(importlib.import_module(module), function)()
+            else:
+                sys.argv = ["-m", *request["args"]]
+                runpy.run_module("avatar_cli", run_name="__main__", alter_sys=True)
             code = 0
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
@@ -95,20 +100,11 @@ def _child(conn: socket.socket, listener: socket.socket, request: dict, fds: lis
         os._exit(code)
 
 
-_DEFAULT_THREADS = 1  # torch's own choice in a process without OMP_NUM_THREADS; serve() asks torch
-
-
 def serve(path: str) -> None:
-    """Started without OMP_NUM_THREADS (see _Server): each child sets the thread count its environment asks for,
-    as torch does at start in a fresh process."""
     import importlib
 
-    global _DEFAULT_THREADS
     for name in PRELOAD:
         importlib.import_module(name)
-    import torch
-
-    _DEFAULT_THREADS = torch.get_num_threads()
     # What a wan render imports where it builds its models (see components.py, text.py, sampler.py).
     from diffusers import UniPCMultistepScheduler  # noqa: F401
     from transformers import UMT5EncoderModel, Wav2Vec2ForCTC, Wav2Vec2Model  # noqa: F401
@@ -122,15 +118,21 @@ def serve(path: str) -> None:
         ready, _, _ = select.select([listener], [], [], 0.02)
         if ready:
             conn, _ = listener.accept()
-            message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 2)
-            request = json.loads(message)
-            pid = os.fork()
-            if pid == 0:
-                _child(conn, listener, request, fds)
-            for fd in fds:
-                os.close(fd)
-            conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
-            children[pid] = conn
+            fds: list[int] = []
+            try:
+                message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 2)
+                request = json.loads(message)
+                pid = os.fork()
+                if pid == 0:
+                    _child(conn, listener, request, fds)
+                conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+                children[pid] = conn
+            except Exception as e:  # a client that went away mid-request: the server stays up for the others
+                print(f"forkserver: request dropped: {type(e).__name__}: {e}", file=sys.stderr)
+                conn.close()
+            finally:
+                for fd in fds:
+                    os.close(fd)
         while children:
             pid, status = os.waitpid(-1, os.WNOHANG)
             if pid == 0:
@@ -146,11 +148,18 @@ def serve(path: str) -> None:
 
 # ---------------------------------------------------------------- the tests' side
 
+# Read once, when OpenMP starts, and not by a later torch.set_num_threads for the threads a render starts: a
+# child must come from a server started with its own thread settings (a render with 2 threads where a fresh
+# process has 1 makes other floats).
+THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
 class _Server:
-    def __init__(self) -> None:
+    def __init__(self, threads: tuple) -> None:
         self.folder = tempfile.mkdtemp(prefix="avatar-forkserver-")
         self.path = os.path.join(self.folder, "socket")
-        env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+        env = {k: v for k, v in os.environ.items() if k not in THREAD_VARS}
+        env.update({k: v for k, v in zip(THREAD_VARS, threads) if v is not None})
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.forkserver", self.path], stdout=subprocess.PIPE,
                                      text=True, cwd=Path(__file__).resolve().parents[1], env=env)
         line = self.proc.stdout.readline()
@@ -165,32 +174,34 @@ class _Server:
         os.rmdir(self.folder)
 
 
-_server: _Server | None = None
+_servers: dict[tuple, _Server] = {}
 
 
-def _get_server() -> _Server:
-    global _server
-    if _server is None or _server.proc.poll() is not None:
-        _server = _Server()
-    return _server
+def _get_server(env: dict) -> _Server:
+    threads = tuple(env.get(k) for k in THREAD_VARS)
+    server = _servers.get(threads)
+    if server is None or server.proc.poll() is not None:
+        server = _servers[threads] = _Server(threads)
+    return server
 
 
 def close_server() -> None:
-    global _server
-    if _server is not None:
-        _server.close()
-        _server = None
+    while _servers:
+        _servers.popitem()[1].close()
 
 
 class ForkedCli:
     """The part of subprocess.Popen the tests use, for `python -m avatar_cli ARGS` (text mode)."""
 
-    def __init__(self, args, *, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=None, env=None) -> None:
-        server = _get_server()
+    def __init__(self, args, *, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=None, env=None,
+                 entry: str | None = None) -> None:
+        env = dict(os.environ if env is None else env)
+        server = _get_server(env)
         out_r, out_w = os.pipe() if stdout == subprocess.PIPE else (None, os.open(os.devnull, os.O_WRONLY))
         err_r, err_w = os.pipe() if stderr == subprocess.PIPE else (None, os.open(os.devnull, os.O_WRONLY))
         self.args = list(args)
-        request = {"args": self.args, "cwd": str(cwd or os.getcwd()), "env": dict(os.environ if env is None else env)}
+        request = {"args": self.args, "cwd": str(cwd or os.getcwd()), "env": env,
+                   "entry": entry}
         self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._conn.connect(server.path)
         socket.send_fds(self._conn, [json.dumps(request).encode()], [out_w, err_w])
@@ -255,7 +266,8 @@ class ForkedCli:
                 else:
                     open_files.remove(f)
         self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        texts = {f: b"".join(c).decode("utf-8", "backslashreplace") for f, c in chunks.items()}
+        texts = {f: b"".join(c).decode("utf-8", "backslashreplace").replace("\r\n", "\n").replace("\r", "\n")
+                 for f, c in chunks.items()}  # text mode's newlines, as Popen.communicate translates them
         for f in chunks:
             f.close()
         return texts.get(self.stdout), texts.get(self.stderr)
@@ -271,9 +283,11 @@ class ForkedCli:
             self.wait()
 
 
-def run(args, *, timeout: float | None = 300, cwd=None, env=None) -> subprocess.CompletedProcess:
-    """subprocess.run(..., capture_output=True, text=True) for `python -m avatar_cli ARGS`."""
-    proc = ForkedCli(args, cwd=cwd, env=env)
+def run(args, *, timeout: float | None = 300, cwd=None, env=None, entry: str | None = None
+        ) -> subprocess.CompletedProcess:
+    """subprocess.run(..., capture_output=True, text=True) for `python -m avatar_cli ARGS` (or for `entry`,
+    "MODULE:FUNCTION", called as `python -c` would call it)."""
+    proc = ForkedCli(args, cwd=cwd, env=env, entry=entry)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

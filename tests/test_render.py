@@ -88,6 +88,11 @@ def test_render_end_to_end(job_dir: Path):
     assert abs(info["audio_end"] - info["video_end"]) <= 1 / FPS
     assert info["keyframes"] == [0.0, 1.0, 2.0]  # one keyframe per second
 
+    # What the other tests rely on: a run forked from tests/forkserver.py makes what a fresh interpreter makes.
+    forked = run_cli("render", str(job_dir / "job.yaml"), "-o", str(job_dir / "forked.mp4"), "--json")
+    assert forked.returncode == 0, forked.stderr
+    assert events(forked.stdout)[-1]["frames_digest"] == done["frames_digest"]
+
 
 def test_output_size_and_fps_overrides(job_dir: Path, tmp_path: Path):
     out = tmp_path / "o.mp4"

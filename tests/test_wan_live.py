@@ -8,7 +8,6 @@ import json
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,6 +24,7 @@ from avatar_cli.families.wan_s2v.vae import WanVAECache
 from avatar_cli.modules import registry
 from avatar_cli.pipeline.checkpoint import state_from_tensors, state_tensors
 from avatar_cli.pipeline.schedule import num_frames
+from tests import forkserver
 from tests.conftest import write_reference, write_wav
 from tests.test_wan_causal import golden, model, rel  # noqa: F401 (fixtures)
 from tests.test_wan_family import events
@@ -238,16 +238,13 @@ def main() -> None:
     cli_main()
 
 
-CLI = [sys.executable, "-c", "from tests.test_wan_live import main; main()"]
-
-
 def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    return forkserver.run(list(args), timeout=timeout, cwd=REPO, entry="tests.test_wan_live:main")
 
 
 def killed_after(chunks: int, *args: str) -> None:
     """Run the streaming CLI and SIGKILL it as soon as it has reported `chunks` chunks."""
-    proc = subprocess.Popen([*CLI, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    proc = forkserver.ForkedCli(list(args), cwd=REPO, entry="tests.test_wan_live:main")
     try:
         reported = (line for line in proc.stdout if json.loads(line)["event"] == "chunk")
         for _ in range(chunks):
