@@ -59,6 +59,13 @@ def start_avatar(*args: str, **kwargs) -> forkserver.ForkedCli:
     return forkserver.ForkedCli(list(args), **kwargs)
 
 
+def torchrun(*args: str, timeout: float = 300, cwd: Path | None = None, env: dict | None = None
+             ) -> subprocess.CompletedProcess:
+    """`python -m torch.distributed.run ARGS`, the launcher forked as `avatar` is (its workers are fresh
+    interpreters, started by torchrun's agent)."""
+    return forkserver.run(list(args), timeout=timeout, cwd=cwd, env=env, entry="torch.distributed.run:main")
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("models") / "tiny"

@@ -28,7 +28,8 @@ from pathlib import Path
 
 PRELOAD = ["torch", "numpy", "av", "typer", "rich", "omegaconf", "safetensors", "avatar_cli.cli",
            "avatar_cli.report", "avatar_cli.runner", "avatar_cli.batch", "avatar_cli.spec",
-           "avatar_cli.families.mini.family", "avatar_cli.families.wan_s2v.family", "transformers"]
+           "avatar_cli.families.mini.family", "avatar_cli.families.wan_s2v.family", "transformers",
+           "torch.distributed.run"]
 
 
 # ---------------------------------------------------------------- the server (run as `python tests/forkserver.py`)

@@ -18,9 +18,10 @@ from avatar_cli.families.mini.config import SIZES
 from avatar_cli.runtime.distributed import Dist, init_distributed
 from avatar_cli.runtime.placement import resident_bytes
 from avatar_cli.families.base import check_degree
+from tests.conftest import torchrun
 
 SCRIPTS = Path(__file__).parent / "dist_scripts"
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+TORCHRUN = ["--standalone", "--nproc_per_node", "2"]
 FAIL_WITHIN_S = 60.0
 
 
@@ -37,8 +38,7 @@ def _free_port() -> int:
 
 
 def test_two_ranks_fsdp_and_sequence_parallel_equal_one_rank():
-    r = subprocess.run([*TORCHRUN, str(SCRIPTS / "sp_equivalence.py")], env=_env(), capture_output=True,
-                       text=True, timeout=120)
+    r = torchrun(*TORCHRUN, str(SCRIPTS / "sp_equivalence.py"), env=_env(), timeout=120)
     lines = [line for line in r.stdout.splitlines() if line.startswith("{")]
     assert r.returncode == 0 and lines, r.stdout[-2000:] + r.stderr[-4000:]
     res = json.loads(lines[-1])
@@ -51,8 +51,7 @@ def test_two_ranks_fsdp_and_sequence_parallel_equal_one_rank():
 
 
 def test_two_ranks_offload_shards_to_host_and_render_the_same_video(job_dir: Path):
-    r = subprocess.run([*TORCHRUN, str(SCRIPTS / "offload_render.py"), str(job_dir / "job.yaml")], env=_env(),
-                       capture_output=True, text=True, timeout=180)
+    r = torchrun(*TORCHRUN, str(SCRIPTS / "offload_render.py"), str(job_dir / "job.yaml"), env=_env(), timeout=180)
     lines = [line for line in r.stdout.splitlines() if line.startswith("{")]
     assert r.returncode == 0 and lines, r.stdout[-2000:] + r.stderr[-4000:]
     res = json.loads(lines[-1])
@@ -70,8 +69,7 @@ def test_resident_bytes_per_rank_follow_the_reshard_policy():
 
 def test_killed_rank_ends_the_other_under_torchrun():
     t0 = time.monotonic()
-    r = subprocess.run([*TORCHRUN, str(SCRIPTS / "kill_rank.py"), "die"], env=_env(), capture_output=True,
-                       text=True, timeout=FAIL_WITHIN_S + 30)
+    r = torchrun(*TORCHRUN, str(SCRIPTS / "kill_rank.py"), "die", env=_env(), timeout=FAIL_WITHIN_S + 30)
     elapsed = time.monotonic() - t0
     assert r.returncode != 0
     assert "rank 1: die at chunk 3" in r.stdout

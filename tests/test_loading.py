@@ -5,7 +5,6 @@ grows by about half the checkpoint."""
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,11 +23,12 @@ from avatar_cli.runtime.device import Runtime
 from avatar_cli.runtime.distributed import Dist
 from avatar_cli.runtime.offload import HostTransfer
 from avatar_cli.runtime.placement import place
+from tests.conftest import torchrun
 
 ROOT = Path(__file__).parent.parent
 GOLDEN = Path(__file__).parent / "golden" / "wan_s2v"
 SCRIPTS = Path(__file__).parent / "dist_scripts"
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+TORCHRUN = ["--standalone", "--nproc_per_node", "2"]
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +180,7 @@ def test_single_process_placement_reads_a_lazy_module_where_it_runs(release_layo
 def _torchrun(args: list[str], timeout: float) -> dict | list:
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(SCRIPTS))
-    r = subprocess.run([*TORCHRUN, *args], env=env, capture_output=True, text=True, timeout=timeout)
+    r = torchrun(*TORCHRUN, *args, env=env, timeout=timeout)
     lines = [line for line in r.stdout.splitlines() if line.startswith(("{", "["))]
     assert r.returncode == 0 and lines, r.stdout[-2000:] + r.stderr[-4000:]
     return json.loads(lines[-1])

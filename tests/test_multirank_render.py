@@ -9,7 +9,7 @@ import av
 import numpy as np
 import pytest
 
-from tests.conftest import avatar, write_job
+from tests.conftest import avatar, torchrun, write_job
 
 
 def render(job: Path, out: Path, *extra: str) -> dict:
@@ -182,9 +182,8 @@ def test_a_rank_count_the_heads_do_not_divide_is_bad_input_without_a_traceback(j
     assert "Traceback" not in r.stderr and "ChildFailedError" not in r.stderr and "OMP_NUM_THREADS" not in r.stderr
     assert "error (rank" not in r.stderr  # no worker ran
 
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "3",
-                        "-m", "avatar_cli", "render", str(job_dir / "job.yaml"), "-o", str(out), "--json"],
-                       capture_output=True, text=True, timeout=120)
+    r = torchrun("--standalone", "--nproc_per_node", "3", "-m", "avatar_cli", "render", str(job_dir / "job.yaml"),
+                 "-o", str(out), "--json", timeout=120)
     assert r.returncode != 0
     # Each rank refuses on its own; torchrun's agent stops the others once one has, so which ranks get to say it
     # depends on timing (in one CI run under load, rank 0's last line was another error, code 1). At least one

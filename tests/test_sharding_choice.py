@@ -3,6 +3,7 @@
 import pytest
 
 from avatar_cli.runtime.sharding import choose_sharding
+from tests.conftest import torchrun
 
 GB = 10**9
 # Wan2.2-S2V-14B in bf16: DiT 32.59 GB, umT5 11.36 GB; VAE + wav2vec2 (fp32) 1.77 GB.
@@ -39,15 +40,12 @@ def test_two_ranks_replicate_or_shard_and_compute_the_same():
     when the free memory allows and shards when it is unknown; the Ulysses forward equals one rank's."""
     import json
     import os
-    import subprocess
-    import sys
     from pathlib import Path
 
     scripts = Path(__file__).parent / "dist_scripts"
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(scripts))
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                        str(scripts / "shard_choice.py")], env=env, capture_output=True, text=True, timeout=120)
+    r = torchrun("--standalone", "--nproc_per_node", "2", str(scripts / "shard_choice.py"), env=env, timeout=120)
     lines = [line for line in r.stdout.splitlines() if line.startswith("{")]
     assert r.returncode == 0 and lines, r.stdout[-2000:] + r.stderr[-3000:]
     res = json.loads(lines[-1])

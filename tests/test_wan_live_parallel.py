@@ -3,7 +3,6 @@ one rank over 2 clips of blocks with the sink refresh; the caches' head shards; 
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import torch
 from avatar_cli.families.wan_s2v import causal
 from avatar_cli.families.wan_s2v.dit import WanDiTParams, WanS2VDiT
 from avatar_cli.families.wan_s2v.live_parallel import rank_costs, shard_caches
+from tests.conftest import torchrun
 
 SCRIPTS = Path(__file__).parent / "dist_scripts"
 
@@ -20,9 +20,8 @@ SCRIPTS = Path(__file__).parent / "dist_scripts"
 def test_two_ranks_stream_equals_one_rank():
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(SCRIPTS), AVATAR_DIST_TIMEOUT_S="30")
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                        str(SCRIPTS / "wan_live_sp_equivalence.py")], env=env, capture_output=True, text=True,
-                       timeout=120)
+    r = torchrun("--standalone", "--nproc_per_node", "2", str(SCRIPTS / "wan_live_sp_equivalence.py"), env=env,
+                 timeout=120)
     lines = [line for line in r.stdout.splitlines() if line.startswith("{")]
     assert r.returncode == 0 and lines, r.stdout[-2000:] + r.stderr[-4000:]
     res = json.loads(lines[-1])

@@ -6,8 +6,6 @@ the whole merged weight) and the frames match 1 rank's; a bad LoRA, or one given
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -29,7 +27,7 @@ from avatar_cli.runtime.distributed import Dist
 from avatar_cli.runtime.offload import HostTransfer
 from avatar_cli.runtime.placement import place
 from avatar_cli.spec import load_job
-from tests.conftest import avatar, write_reference, write_wav
+from tests.conftest import avatar, torchrun, write_reference, write_wav
 
 RANK, SCALE = 4, 0.5
 GOLDEN = Path(__file__).parent / "golden" / "wan_s2v"
@@ -147,9 +145,8 @@ def test_one_process_merges_where_the_weights_stay(models, offload):
 def test_each_rank_merges_exactly_its_rows_bit_for_bit(models):
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(SCRIPTS))
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                        str(SCRIPTS / "lora_sharded_merge.py"), str(models.base), str(models.lora), str(RANK),
-                        str(SCALE), str(GOLDEN)], env=env, capture_output=True, text=True, timeout=180)
+    r = torchrun("--standalone", "--nproc_per_node", "2", str(SCRIPTS / "lora_sharded_merge.py"), str(models.base),
+                 str(models.lora), str(RANK), str(SCALE), str(GOLDEN), env=env, timeout=180)
     lines = [line for line in r.stdout.splitlines() if line.startswith("{")]
     assert r.returncode == 0 and lines, r.stdout[-2000:] + r.stderr[-4000:]
     res = json.loads(lines[-1])

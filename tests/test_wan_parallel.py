@@ -4,14 +4,13 @@ partial-frame audio injection it relies on, on one process."""
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
 from avatar_cli.families.wan_s2v.dit import TokenShard, WanDiTParams, WanS2VDiT
+from tests.conftest import torchrun
 
 SCRIPTS = Path(__file__).parent / "dist_scripts"
 GOLDEN = Path(__file__).parent / "golden" / "wan_s2v"
@@ -21,8 +20,8 @@ def test_two_ranks_equal_one_rank_plain_and_fsdp_sharded():
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
     # A collective issued by the refused construction would leave rank 0 waiting: bound that wait.
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(SCRIPTS), AVATAR_DIST_TIMEOUT_S="20")
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                        str(SCRIPTS / "wan_sp_equivalence.py")], env=env, capture_output=True, text=True, timeout=120)
+    r = torchrun("--standalone", "--nproc_per_node", "2", str(SCRIPTS / "wan_sp_equivalence.py"), env=env,
+                 timeout=120)
     lines = [line for line in r.stdout.splitlines() if line.startswith("{")]
     assert r.returncode == 0 and lines, r.stdout[-2000:] + r.stderr[-4000:]
     res = json.loads(lines[-1])
