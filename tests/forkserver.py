@@ -11,8 +11,8 @@ starts), and test_render.py holds a forked render's frames equal to a fresh inte
 
 The tests' Popen-like handle (ForkedCli) speaks to the server over a Unix socket: a request carries the child's
 stdout/stderr pipe ends (SCM_RIGHTS), its argv, folder and environment; the reply is the pid, then, when the
-child ends, its wait status. The few tests that check the installed entry point itself still start a fresh
-interpreter (test_render.py's end-to-end render, the torchrun tests).
+child ends, its wait status. Fresh interpreters are still started for the end-to-end render (test_render.py),
+the timing of `models check`, and every torchrun worker (torchrun's agent starts them; the launcher is forked).
 """
 
 import json
@@ -32,7 +32,7 @@ PRELOAD = ["torch", "numpy", "av", "typer", "rich", "omegaconf", "safetensors", 
            "torch.distributed.run"]
 
 
-# ---------------------------------------------------------------- the server (run as `python tests/forkserver.py`)
+# ---------------------------------------------------------------- the server (`python -m tests.forkserver SOCKET`)
 
 def _child(conn: socket.socket, listener: socket.socket, request: dict, fds: list[int]) -> None:
     """In the forked child: become `python -m avatar_cli ARGS` in the requested folder and environment."""
@@ -42,7 +42,6 @@ def _child(conn: socket.socket, listener: socket.socket, request: dict, fds: lis
     try:
         listener.close()
         conn.close()
-        os.setpgid(0, 0) if request.get("new_group") else None
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.dup2(fds[0], 1)
