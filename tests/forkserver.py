@@ -156,7 +156,8 @@ THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 class _Server:
     def __init__(self, threads: tuple) -> None:
-        self.folder = tempfile.mkdtemp(prefix="avatar-forkserver-")
+        # A Unix socket's path must fit in 108 bytes: a long TMPDIR (a CI runner's work folder) would not leave room.
+        self.folder = tempfile.mkdtemp(prefix="avatar-fs-", dir="/tmp" if len(tempfile.gettempdir()) > 60 else None)
         self.path = os.path.join(self.folder, "socket")
         env = {k: v for k, v in os.environ.items() if k not in THREAD_VARS}
         env.update({k: v for k, v in zip(THREAD_VARS, threads) if v is not None})
