@@ -11,11 +11,14 @@ processes at once. A module left out still works; it is compiled in memory each 
     python -m avatar_cli._bytecode
 """
 
+import importlib
 import os
+import pkgutil
 import subprocess
 import sys
 
-# What avatar imports only inside the functions that need it (see each module), and what its tests run on.
+# What avatar imports only inside the functions that need it (see each module), and modules of its dependencies
+# that a render or a test reaches but an import of avatar_cli does not (found with an audit hook on "compile").
 LAZY = [
     "transformers.Wav2Vec2Model", "transformers.Wav2Vec2ForCTC", "transformers.UMT5EncoderModel",
     "transformers.PreTrainedTokenizerFast", "diffusers.UniPCMultistepScheduler",
@@ -25,39 +28,50 @@ LAZY = [
     "numpy.ctypeslib", "numpy.ma", "numpy.testing", "pydantic.v1", "fastapi", "httpx", "uvicorn.loops.auto",
     "uvicorn.protocols.http.auto", "uvicorn.protocols.websockets.auto", "uvicorn.lifespan.on", "uvicorn.lifespan.off",
 ]
+# What the tests run on.
 TESTS = ["walk:_pytest", "pytest", "walk:xdist", "execnet", "anyio.pytest_plugin", "anyio._backends._asyncio"]
 
-_IMPORT_ALL = """
-import importlib, pkgutil, sys
+
+def _module_and_attribute(name: str) -> tuple[str, str]:
+    """transformers and diffusers import their classes on first access: "transformers.Wav2Vec2Model" is the
+    module "transformers" and its attribute; any other name is a module."""
+    if name.startswith(("transformers.", "diffusers.")):
+        module, _, attribute = name.rpartition(".")
+        return module, attribute
+    return name, ""
 
 
-def load(name, quiet=False):
+def _load(name: str, quiet: bool = False):
     try:
-        module, _, attr = name.rpartition(".") if name.startswith(("transformers.", "diffusers.")) else (name, "", "")
+        module, attribute = _module_and_attribute(name)
         imported = importlib.import_module(module)
-        if attr:
-            getattr(imported, attr)  # transformers and diffusers import their classes on first access
+        if attribute:
+            getattr(imported, attribute)
         return imported
     except Exception as e:  # an optional part missing here (the [test] extra, uvloop): nothing to compile
         if not quiet:
             print(f"bytecode: skipped {name}: {type(e).__name__}: {e}", file=sys.stderr)
 
 
-for name in sys.argv[1:]:
-    # walk: a package and every module in it (avatar's own, the plugins pytest loads, uvicorn's protocols)
-    package = load(name.removeprefix("walk:"))
-    if name.startswith("walk:") and package is not None:
-        for info in pkgutil.walk_packages(package.__path__, package.__name__ + ".", onerror=lambda name: None):
-            load(info.name, quiet=True)
-"""
+def _import_all(names: list[str]) -> None:
+    for name in names:
+        # walk: a package and every module in it (avatar's own, the plugins pytest loads)
+        package = _load(name.removeprefix("walk:"))
+        if name.startswith("walk:") and package is not None:
+            for info in pkgutil.walk_packages(package.__path__, package.__name__ + ".", onerror=lambda name: None):
+                _load(info.name, quiet=True)
 
 
 def main() -> int:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     groups = [["walk:avatar_cli"], LAZY + TESTS]
-    procs = [subprocess.Popen([sys.executable, "-c", _IMPORT_ALL, *group], env=env) for group in groups]
+    procs = [subprocess.Popen([sys.executable, "-m", "avatar_cli._bytecode", "--import", *group], env=env)
+             for group in groups]
     return max(p.wait() for p in procs)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    if sys.argv[1:2] == ["--import"]:  # one of main's processes
+        _import_all(sys.argv[2:])
+    else:
+        sys.exit(main())

@@ -18,6 +18,7 @@ the timing of `models check`, and every torchrun worker (torchrun's agent starts
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -159,6 +160,7 @@ class _Server:
         # A Unix socket's path must fit in 108 bytes: a long TMPDIR (a CI runner's work folder) would not leave room.
         self.folder = tempfile.mkdtemp(prefix="avatar-fs-", dir="/tmp" if len(tempfile.gettempdir()) > 60 else None)
         self.path = os.path.join(self.folder, "socket")
+        # The test process's environment with the request's thread settings, whichever test happens to start it.
         env = {k: v for k, v in os.environ.items() if k not in THREAD_VARS}
         env.update({k: v for k, v in zip(THREAD_VARS, threads) if v is not None})
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.forkserver", self.path], stdout=subprocess.PIPE,
@@ -170,9 +172,7 @@ class _Server:
     def close(self) -> None:
         self.proc.kill()
         self.proc.wait()
-        for name in os.listdir(self.folder):
-            os.unlink(os.path.join(self.folder, name))
-        os.rmdir(self.folder)
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 _servers: dict[tuple, _Server] = {}
@@ -201,8 +201,7 @@ class ForkedCli:
         out_r, out_w = os.pipe() if stdout == subprocess.PIPE else (None, os.open(os.devnull, os.O_WRONLY))
         err_r, err_w = os.pipe() if stderr == subprocess.PIPE else (None, os.open(os.devnull, os.O_WRONLY))
         self.args = list(args)
-        request = {"args": self.args, "cwd": str(cwd or os.getcwd()), "env": env,
-                   "entry": entry}
+        request = {"args": self.args, "cwd": str(cwd or os.getcwd()), "env": env, "entry": entry}
         self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._conn.connect(server.path)
         socket.send_fds(self._conn, [json.dumps(request).encode()], [out_w, err_w])
@@ -228,9 +227,6 @@ class ForkedCli:
         self._conn.close()
         return self.returncode
 
-    def poll(self) -> int | None:
-        return self._collect(0)
-
     def wait(self, timeout: float | None = None) -> int:
         code = self._collect(timeout)
         if code is None:
@@ -243,9 +239,6 @@ class ForkedCli:
                 os.kill(self.pid, sig)
             except ProcessLookupError:  # ended and reaped by the server; its status is on the way
                 pass
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
@@ -272,16 +265,6 @@ class ForkedCli:
         for f in chunks:
             f.close()
         return texts.get(self.stdout), texts.get(self.stderr)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for f in (self.stdout, self.stderr):
-            if f is not None:
-                f.close()
-        if self.returncode is None:
-            self.wait()
 
 
 def run(args, *, timeout: float | None = 300, cwd=None, env=None, entry: str | None = None

@@ -9,7 +9,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from avatar_cli._bytecode import LAZY, TESTS
+from avatar_cli._bytecode import LAZY, TESTS, _module_and_attribute
 
 # The render's own process, with an audit hook that lists each file compiled from source (builtins.compile
 # raises "compile" with the file name; a module loaded from bytecode is not compiled).
@@ -39,6 +39,5 @@ def test_a_render_compiles_nothing_from_site_packages(job_dir: Path):
 def test_the_lists_name_modules_that_exist():
     """A name a library renamed would be skipped quietly at setup (optional parts may be missing there)."""
     for name in LAZY + TESTS:
-        name = name.removeprefix("walk:")
-        module = name.rpartition(".")[0] if name.startswith(("transformers.", "diffusers.")) else name
+        module, _ = _module_and_attribute(name.removeprefix("walk:"))
         assert importlib.util.find_spec(module) is not None, name
