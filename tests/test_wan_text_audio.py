@@ -212,6 +212,48 @@ def test_audio_features_match_official(w2v):
     assert rel(bucket, W2V_IO["bucket"]) <= 1e-6
 
 
+@pytest.mark.parametrize("stable", [True, False])
+def test_last_layer_is_the_encoders_output(w2v, stable):
+    """The official AudioEncoder stacks transformers 4.x's hidden states, whose last entry is the encoder's output:
+    for the stable-layer-norm encoder (xlsr-53, the release's) the state after the encoder's final layer_norm.
+    Held here from the layers themselves, whatever the installed transformers appends to `hidden_states`: entry i
+    < 24 is the input of transformer layer i, entry 24 the final layer_norm of layer 23's output (stable) or layer
+    23's output (post-norm, as wav2vec2-base), and the family's component (what the clip and streaming modes call)
+    returns the same."""
+    from transformers import Wav2Vec2Config, Wav2Vec2Model
+
+    from avatar_cli.families.wan_s2v.components import Wav2Vec2Audio
+
+    model, extractor = w2v
+    if not stable:  # the same tiny size with the post-norm encoder
+        config = Wav2Vec2Config.from_dict({**model.config.to_dict(), "do_stable_layer_norm": False,
+                                           "feat_extract_norm": "group"})
+        torch.manual_seed(0)
+        model = Wav2Vec2Model(config).eval()
+    assert model.config.do_stable_layer_norm is stable
+    encoder = model.encoder
+    inputs, outputs = [], []
+    hooks = [layer.register_forward_pre_hook(lambda m, a: inputs.append(a[0].clone())) for layer in encoder.layers]
+    hooks.append(encoder.layers[-1].register_forward_hook(
+        lambda m, a, out: outputs.append((out[0] if isinstance(out, tuple) else out).clone())))
+    x = torch.from_numpy(normalize(speech_like(1.5, seed=3), extractor))  # (N,)
+    try:
+        h = hidden_states(model, x)  # (25, T_w, 16)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert h.shape[0] == NUM_LAYERS == len(encoder.layers) + 1 and len(inputs) == len(encoder.layers)
+    for i, inp in enumerate(inputs):
+        assert torch.equal(h[i], inp[0]), i
+    with torch.no_grad():
+        last = encoder.layer_norm(outputs[0][0]) if stable else outputs[0][0]  # (T_w, 16)
+    torch.testing.assert_close(h[-1], last, rtol=0, atol=1e-6)
+    if stable:  # the normed state differs from the raw one: the check above could tell the two apart
+        assert (h[-1] - outputs[0][0]).abs().max() > 0.1
+        component = Wav2Vec2Audio.from_folder(W2V_DIR)
+        assert torch.equal(component(x), h)
+
+
 def test_bucketing_equals_official_frame_for_frame():
     """The pure bucketing, on the official features: every frame of every clip, zeros past the end."""
     feat, bucket = W2V_IO["feat"], W2V_IO["bucket"]

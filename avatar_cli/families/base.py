@@ -151,6 +151,9 @@ class Family(ABC):
     # The chunk's denoising runs as separate steps on separate ranks (runtime.parallel: steps, pipeline/steps.py);
     # such a family implements block_noise, denoise_step, block_latents and the step_* state methods.
     step_pipeline: ClassVar[bool] = False
+    # Raised when a release of avatar changes what this family computes from the same inputs and weights: a resume
+    # point written by another revision is refused (its frames and state would not continue the new ones).
+    revision: ClassVar[int] = 0
 
     def is_decode_state(self, name: str) -> bool:
         """Whether the rolling-state tensor `name` is the decode step's own (its causal cache): `decode` reads and

@@ -73,6 +73,8 @@ def job_fingerprint(job: Job, source: ModelSource) -> dict[str, str]:
            "model": model_digest(_without_lora(source))}
     if job.lora is not None:
         out["lora"] = lora_digest(job)
+    if source.family.revision:  # revision 0 adds nothing: such a family's points resume as before the key existed
+        out["family"] = f"{source.family.name}/{source.family.revision}"
     return out
 
 
@@ -85,6 +87,7 @@ def _without_lora(source: ModelSource) -> ModelSource:
 def describe_change(old: dict[str, str], new: dict[str, str]) -> str | None:
     """None if nothing changed, else which of spec/reference/audio/model/lora changed."""
     names = {"spec": "the job spec", "reference": "the reference image", "audio": "the audio", "model": "the model",
-             "lora": "the LoRA"}
+             "lora": "the LoRA",
+             "family": "avatar's computation for this model family (renders of it changed in this release)"}
     changed = [names.get(k, k) for k in (*new, *(k for k in old if k not in new)) if old.get(k) != new.get(k)]
     return ", ".join(changed) or None

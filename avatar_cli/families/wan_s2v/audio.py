@@ -131,10 +131,19 @@ def normalize(samples: np.ndarray, extractor: Wav2Vec2FeatureExtractor) -> np.nd
 
 @torch.no_grad()
 def hidden_states(model: Wav2Vec2Model, input_values: torch.Tensor) -> torch.Tensor:
-    """(25, T_w, dim) float32 for (N,) normalised samples: every hidden state of one wav2vec2 call."""
+    """(25, T_w, dim) float32 for (N,) normalised samples: every hidden state of one wav2vec2 call, as the
+    official AudioEncoder stacks them under its pinned transformers (<= 4.51.3).
+
+    The last layer is the encoder's output, `last_hidden_state`. For the stable-layer-norm encoder of
+    wav2vec2-large-xlsr-53 that is the state after the encoder's final `layer_norm`: transformers 4.x appends
+    that state as the last of `hidden_states`, while transformers 5 appends the one before the norm (and
+    `last_hidden_state` alone carries the normed one). Taking `last_hidden_state` gives the official layer
+    under either; for the post-norm encoder (wav2vec2-base) both versions agree that the two are the same.
+    """
     p = next(model.parameters())
     out = model(input_values[None].to(p.device, p.dtype), output_hidden_states=True)  # (1, N) in
-    return torch.cat(out.hidden_states).float()  # 25 x (1, T_w, dim) -> (25, T_w, dim)
+    layers = (*out.hidden_states[:-1], out.last_hidden_state)  # 25 x (1, T_w, dim)
+    return torch.cat(layers).float()  # (25, T_w, dim)
 
 
 def to_feature_rate(h: torch.Tensor) -> torch.Tensor:

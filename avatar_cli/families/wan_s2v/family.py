@@ -80,6 +80,7 @@ class WanS2VFamily(Family):
     needs = {"reference": ("vae",), "prompt": ("text",), "context": ("audio",), "denoise": ("dit",),
              "refine": (), "decode": ("vae",)}
     decode_feeds_back = True  # the next clip's motion latents are re-encoded decoded frames
+    revision = 1  # 1: the last audio layer is wav2vec2's post-layer-norm output, as the official code reads it
 
     def __init__(self, config: WanS2VConfig):
         self.config = config
