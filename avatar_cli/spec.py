@@ -1,7 +1,9 @@
-"""The job spec: a typed OmegaConf schema, its defaults in configs/, and validation.
+"""The job spec: a typed OmegaConf schema (the one place its defaults live), and validation.
 
-Precedence, lowest first: schema defaults < configs/default.yaml < the job file < key=value
+Precedence, lowest first: schema defaults < the model family's defaults < the job file < key=value
 overrides < -o/--output. Unknown keys and wrong types are errors that name the key.
+configs/default.yaml (and its packaged copy, avatar_cli/default.yaml) is the commented reference rendered from this
+schema by spec_reference.py, which also holds each key's one-line comment.
 """
 
 import math
@@ -16,7 +18,6 @@ from omegaconf.errors import (ConfigKeyError, GrammarParseError, InterpolationRe
 
 from avatar_cli.errors import SpecError
 
-CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 # libx264's presets. h264_nvenc ignores video.preset (the writer always uses its p4), so these are the whole set.
 X264_PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower", "veryslow",
                 "placebo")
@@ -95,8 +96,8 @@ class SamplingSpec:
 class ChunkingSpec:
     frames: int = 24  # new frames per N chunk
     motion_frames: int = 4  # frames of the previous N chunk each N chunk is conditioned on
-    # I chunks: regenerate each seam between two anchors. auto: on where a GPU renders, off on a CPU, where they
-    # cost about a quarter of the DiT's time for a seam the eval cannot tell apart (resolved in runner.render).
+    # I chunks: regenerate each seam between two anchors. auto: on where a GPU renders, off on a CPU, where their
+    # cost outweighs the seam they smooth (bench/results.md; resolved in runner.render).
     transitions: Union[bool, str] = "auto"
     transition_frames: int = 6  # frames an I chunk regenerates after each seam
 
@@ -217,13 +218,9 @@ def load_job(job_path: str | Path, overrides: list[str] | None = None, output: s
     if not OmegaConf.is_dict(job_cfg):
         raise SpecError(f"job: {path}: expected a mapping of keys at the top level")
 
-    # Layers, lowest first. A model family's own defaults (wan-s2v: 16 fps, 40 steps, ...) sit between
-    # configs/default.yaml (mini's values) and the job file, so whatever the user wrote still wins.
-    layers = []
-    defaults = CONFIGS_DIR / "default.yaml"
-    if defaults.is_file():
-        layers.append((OmegaConf.load(defaults), str(defaults)))
-    layers.append((job_cfg, str(path)))
+    # Layers, lowest first, over the schema's defaults. A model family's own defaults (wan-s2v: 16 fps, 40 steps,
+    # ...) go below the job file, so whatever the user wrote still wins.
+    layers = [(job_cfg, str(path))]
     cli_keys: set[str] = set()
     for item in overrides or []:
         if "=" not in item:
@@ -246,7 +243,7 @@ def load_job(job_path: str | Path, overrides: list[str] | None = None, output: s
     family = _family_defaults(cfg.model, Path.cwd() if "model" in cli_keys else path.resolve().parent, cfg.mode)
     if family:
         name, values = family
-        layers.insert(1 if defaults.is_file() else 0, (OmegaConf.from_dotlist(
+        layers.insert(0, (OmegaConf.from_dotlist(
             [f"{k}={v}" for k, v in values.items()]), f"the {name} family's defaults"))
         cfg = merged(layers)
     if output is not None:
