@@ -126,7 +126,7 @@ def with_mode(source: ModelSource, mode: str) -> ModelSource:
 
 
 def family_defaults(model: str, base_dir: Path, mode: str = "clip") -> tuple[str, dict[str, Any]] | None:
-    """(family name, its job defaults) for the job spec, or None: mini (whose defaults are configs/default.yaml)
+    """(family name, its job defaults) for the job spec, or None: mini (whose defaults are the schema's)
     or a model or mode that does not resolve (prepare() reports that)."""
     try:
         source = with_mode(resolve_model(model, base_dir), mode)
