@@ -1,8 +1,12 @@
 """Make the LiveAvatar streaming goldens: THEIR block-causal `CausalWanModel_S2V` at the tiny size (fact sheet §8.3),
 float32 on the CPU, over 2 clips x 4 blocks x 4 Euler steps, driven the way their TPP pipeline drives it.
 
-    git -C /work/.mirror/Alibaba-Quark+LiveAvatar/repo archive HEAD liveavatar | tar -x -C /tmp/la
-    OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python tests/golden/make_liveavatar_goldens.py --la-repo /tmp/la
+    git -C $REPO archive HEAD liveavatar | tar -x -C /tmp/la
+    OMP_NUM_THREADS=1 nice -n 19 $OFFICIAL_VENV/bin/python tests/golden/make_liveavatar_goldens.py --la-repo /tmp/la --official-git $REPO
+
+$REPO is a git clone of Alibaba-Quark/LiveAvatar; $OFFICIAL_VENV its own environment (tests/golden/official_env.py create):
+the script refuses to run under versions outside that repository's requirements.txt and records the commit and
+the versions it ran with in every safetensors file it writes (header metadata `official`).
 
 (git reports examples/boy.wav missing from the mirror; all 104 files of liveavatar/ come out.) Their code:
 Alibaba-Quark/LiveAvatar at commit LA_COMMIT below. Weights: tests/golden/wan_s2v/dit_tiny_weights.safetensors (the
@@ -54,6 +58,14 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
+
+from official_env import as_metadata, provenance  # tests/golden/, on sys.path as the script's folder
+
+META: dict[str, str] = {}  # the official commit and versions, set in main()
+
+
+def save_file_with_provenance(tensors, path) -> None:
+    save_file(tensors, str(path), metadata=META)
 
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "liveavatar"
@@ -213,7 +225,11 @@ def run_stream(model, inp: dict, randint: PlannedRandint) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--la-repo", type=Path, required=True, help="folder holding the extracted liveavatar/ package")
+    ap.add_argument("--official-git", type=Path, required=True,
+                    help="a git clone of Alibaba-Quark/LiveAvatar: its commit and requirements.txt pins are checked and recorded")
     args = ap.parse_args()
+    global META
+    META = as_metadata(provenance(args.official_git, "Alibaba-Quark/LiveAvatar"))  # refuses outside the official pins
     warnings.filterwarnings("ignore", category=FutureWarning)  # their torch.cuda.amp.autocast, on every call
     Causal = import_causal(args.la_repo.resolve())
     torch.manual_seed(0)
@@ -243,21 +259,17 @@ def main() -> None:
     rec.update({f"input.{k}": v.clone() for k, v in inp.items() if k != "audio"})  # audio: the per-block slices
 
     OUT.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in rec.items()}, OUT / "stream_tiny.safetensors")
+    save_file_with_provenance({k: v.contiguous() for k, v in rec.items()}, OUT / "stream_tiny.safetensors")
     settings = dict(
         liveavatar_commit=LA_COMMIT, weights=str(WEIGHTS.relative_to(HERE.parent.parent)), config=TINY,
         motion_frames=MOTION_FRAMES, infer_frames=INFER_FRAMES, frames_per_block=FRAMES_PER_BLOCK, clips=CLIPS,
         blocks_per_clip=4, steps=STEPS, latent_hw=[LAT_H, LAT_W], noise_seed=SEED, input_seed=INPUT_SEED,
         offset_seed=OFFSET_SEED, sink_offsets=offsets, patches=[p[0] for p in PATCHES],
         dtype="float32", torch=torch.__version__,
-        regenerate="OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python tests/golden/make_liveavatar_goldens.py "
-                   "--la-repo /tmp/la",
+        regenerate="OMP_NUM_THREADS=1 nice -n 19 $OFFICIAL_VENV/bin/python tests/golden/make_liveavatar_goldens.py "
+                   "--la-repo /tmp/la --official-git $REPO",
+        official=json.loads(META["official"]),
     )
-    try:
-        import diffusers
-        settings["diffusers"] = diffusers.__version__
-    except ImportError:
-        pass
     (OUT / "stream_tiny.json").write_text(json.dumps(settings, indent=2) + "\n")
     size = (OUT / "stream_tiny.safetensors").stat().st_size
     print(f"wrote {OUT}: {len(rec)} tensors, {size / 1e6:.2f} MB")

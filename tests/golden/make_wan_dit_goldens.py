@@ -1,7 +1,11 @@
 """Make the Wan2.2-S2V DiT goldens: the official `WanModel_S2V` at the tiny size (fact sheet §8.1), in float32.
 
-    git -C /work/.mirror/Wan-Video+Wan2.2/repo archive HEAD wan | tar -x -C /tmp/wan22_dit
-    OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python tests/golden/make_wan_dit_goldens.py --wan-repo /tmp/wan22_dit
+    git -C $REPO archive HEAD wan | tar -x -C /tmp/wan22_dit
+    OMP_NUM_THREADS=1 nice -n 19 $OFFICIAL_VENV/bin/python tests/golden/make_wan_dit_goldens.py --wan-repo /tmp/wan22_dit --official-git $REPO
+
+$REPO is a git clone of Wan-Video/Wan2.2; $OFFICIAL_VENV its own environment (tests/golden/official_env.py create):
+the script refuses to run under versions outside that repository's requirements.txt and records the commit and
+the versions it ran with in every safetensors file it writes (header metadata `official`).
 
 Writes to tests/golden/wan_s2v/ (safetensors and JSON only):
   dit_tiny_weights.safetensors  the tiny random weights in the official key layout
@@ -28,6 +32,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
+
+from official_env import as_metadata, provenance  # tests/golden/, on sys.path as the script's folder
+
+META: dict[str, str] = {}  # the official commit and versions, set in main()
+
+
+def save_file_with_provenance(tensors, path) -> None:
+    save_file(tensors, str(path), metadata=META)
 
 OUT = Path(__file__).resolve().parent / "wan_s2v"
 
@@ -124,7 +136,11 @@ def attrs(obj, **values):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--wan-repo", type=Path, required=True, help="folder holding the extracted wan/ package")
+    ap.add_argument("--official-git", type=Path, required=True,
+                    help="a git clone of Wan-Video/Wan2.2: its commit and requirements.txt pins are checked and recorded")
     args = ap.parse_args()
+    global META
+    META = as_metadata(provenance(args.official_git, "Wan-Video/Wan2.2"))  # refuses outside the official pins
     WanModel_S2V = import_official(args.wan_repo.resolve())
     torch.manual_seed(0)
     model = WanModel_S2V(**TINY).float().eval()
@@ -175,7 +191,7 @@ def main() -> None:
             print(f"zeroing {name}: mean |delta out| {(out - ref_out).abs().mean():.3e}")
 
     OUT.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, OUT / "dit_tiny_weights.safetensors")
+    save_file_with_provenance({k: v.contiguous() for k, v in model.state_dict().items()}, OUT / "dit_tiny_weights.safetensors")
     config = json.loads(model.to_json_string())
     # The official loader never reads these from config.json (WanModel_S2V.ignore_for_config): it always takes the
     # class's own values. The tiny text_dim differs from them, so they are written out for our from_config.
@@ -183,7 +199,7 @@ def main() -> None:
         config[k] = list(TINY[k]) if isinstance(TINY[k], tuple) else TINY[k]
     config["motion_frames"] = MOTION_FRAMES
     (OUT / "dit_tiny_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    save_file(tensors, OUT / "dit_cases.safetensors")
+    save_file_with_provenance(tensors, OUT / "dit_cases.safetensors")
     n = sum(p.numel() for p in model.parameters())
     print(f"wrote {OUT}: {n:,} params, {len(tensors)} case tensors")
 

@@ -1,7 +1,11 @@
 """Goldens for the Wan2.2-S2V sampler (avatar_cli/families/wan_s2v/sampler.py), made with the official code.
 
-    mkdir -p /tmp/wan22_sampler && git -C /work/.mirror/Wan-Video+Wan2.2/repo archive HEAD wan | tar -x -C /tmp/wan22_sampler
-    OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python tests/golden/make_wan_sampler_goldens.py --wan-repo /tmp/wan22_sampler
+    mkdir -p /tmp/wan22_sampler && git -C $REPO archive HEAD wan | tar -x -C /tmp/wan22_sampler
+    OMP_NUM_THREADS=1 nice -n 19 $OFFICIAL_VENV/bin/python tests/golden/make_wan_sampler_goldens.py --wan-repo /tmp/wan22_sampler --official-git $REPO
+
+$REPO is a git clone of Wan-Video/Wan2.2; $OFFICIAL_VENV its own environment (tests/golden/official_env.py create):
+the script refuses to run under versions outside that repository's requirements.txt and records the commit and
+the versions it ran with in every safetensors file it writes (header metadata `official`).
 
 Writes tests/golden/wan_s2v/sampler_unipc.safetensors:
   timesteps_40 / sigmas_40: FlowUniPCMultistepScheduler(shift=1).set_timesteps(40, shift=3), as speech2video.py
@@ -23,6 +27,14 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+
+from official_env import as_metadata, provenance  # tests/golden/, on sys.path as the script's folder
+
+META: dict[str, str] = {}  # the official commit and versions, set in main()
+
+
+def save_file_with_provenance(tensors, path) -> None:
+    save_file(tensors, str(path), metadata=META)
 
 OUT = Path(__file__).resolve().parent / "wan_s2v"
 
@@ -68,7 +80,11 @@ def official_sample(cls, flow, noise: torch.Tensor, steps: int, shift: float):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--wan-repo", type=Path, required=True)
+    ap.add_argument("--official-git", type=Path, required=True,
+                    help="a git clone of Wan-Video/Wan2.2: its commit and requirements.txt pins are checked and recorded")
     args = ap.parse_args()
+    global META
+    META = as_metadata(provenance(args.official_git, "Wan-Video/Wan2.2"))  # refuses outside the official pins
     cls = load_official_unipc(args.wan_repo)
     torch.manual_seed(0)
     noise = torch.randn(1, 16, 2, 4, 4)
@@ -86,12 +102,12 @@ def main() -> None:
             out[f"sample_{steps}_bf16"], _ = official_sample(cls, flow, noise.bfloat16(), steps, 3.0)
         out[f"calls_t_{steps}"] = calls
     OUT.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in out.items()}, OUT / "sampler_unipc.safetensors")
+    save_file_with_provenance({k: v.contiguous() for k, v in out.items()}, OUT / "sampler_unipc.safetensors")
 
     from diffusers import FlowMatchEulerDiscreteScheduler
     euler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3)
     euler.set_timesteps(4)
-    save_file({"timesteps": euler.timesteps.clone(), "sigmas": euler.sigmas.clone()},
+    save_file_with_provenance({"timesteps": euler.timesteps.clone(), "sigmas": euler.sigmas.clone()},
               OUT / "sampler_euler.safetensors")
     print("timesteps_40", out["timesteps_40"].tolist())
     print("euler", euler.timesteps.tolist(), euler.sigmas.tolist())

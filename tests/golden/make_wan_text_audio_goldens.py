@@ -1,7 +1,11 @@
 """Make the Wan2.2-S2V text (umT5) and audio (wav2vec2) goldens with the official code, float32 on CPU, fixed seeds.
 
-    mkdir -p /tmp/wan22_textaudio && git -C /work/.mirror/Wan-Video+Wan2.2/repo archive HEAD wan | tar -x -C /tmp/wan22_textaudio
-    OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python tests/golden/make_wan_text_audio_goldens.py --wan-repo /tmp/wan22_textaudio
+    mkdir -p /tmp/wan22_textaudio && git -C $REPO archive HEAD wan | tar -x -C /tmp/wan22_textaudio
+    OMP_NUM_THREADS=1 nice -n 19 $OFFICIAL_VENV/bin/python tests/golden/make_wan_text_audio_goldens.py --wan-repo /tmp/wan22_textaudio --official-git $REPO
+
+$REPO is a git clone of Wan-Video/Wan2.2; $OFFICIAL_VENV its own environment (tests/golden/official_env.py create):
+the script refuses to run under versions outside that repository's requirements.txt and records the commit and
+the versions it ran with in every safetensors file it writes (header metadata `official`).
 
 Writes to tests/golden/wan_s2v/:
 - t5_tokenizer/: a tiny Unigram tokenizer (tokenizer.json + tokenizer_config.json + special_tokens_map.json) built
@@ -49,6 +53,14 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors.torch import save_file
+
+from official_env import as_metadata, provenance  # tests/golden/, on sys.path as the script's folder
+
+META: dict[str, str] = {}  # the official commit and versions, set in main()
+
+
+def save_file_with_provenance(tensors, path) -> None:
+    save_file(tensors, str(path), metadata=META)
 
 OUT = Path(__file__).resolve().parent / "wan_s2v"
 TEXT_LEN = 512
@@ -170,8 +182,8 @@ def make_t5(t5, tok_dir: Path, raw_tok):
         enc.model = copy.deepcopy(model).to(torch.bfloat16)
         for i, prompt in enumerate(PROMPTS):
             tensors[f"out_bf16_{i}"] = enc([prompt], torch.device("cpu"))[0].contiguous()
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(OUT / "t5_weights.safetensors"))
-    save_file(tensors, str(OUT / "t5_io.safetensors"))
+    save_file_with_provenance({k: v.contiguous() for k, v in model.state_dict().items()}, str(OUT / "t5_weights.safetensors"))
+    save_file_with_provenance(tensors, str(OUT / "t5_io.safetensors"))
     (OUT / "t5_prompts.json").write_text(json.dumps({"text_len": TEXT_LEN, "config": T5_TINY, "prompts": PROMPTS},
                                                     ensure_ascii=False, indent=2) + "\n")
 
@@ -233,7 +245,7 @@ def make_w2v(wan_repo: Path, waves: dict):
     t30 = [official_t30(ae_mod, tw) for tw in range(3001)]
     nr_t30 = [1, 2, 148, 149, 150, 151, 299, 300, 301, 449, 450, 451, 1000]
     nrs = [ae_mod.AudioEncoder.get_audio_embed_bucket_fps(enc, torch.zeros(1, n, 1), 16, 80, 0)[1] for n in nr_t30]
-    save_file({"wave": torch.from_numpy(wave), "feat": feat.contiguous(), "bucket": bucket.contiguous(),
+    save_file_with_provenance({"wave": torch.from_numpy(wave), "feat": feat.contiguous(), "bucket": bucket.contiguous(),
                "frame_idx": torch.as_tensor(frame_idx, dtype=torch.int64), "t30_for_tw": torch.tensor(t30),
                "nr_t30": torch.tensor(nr_t30), "nr": torch.tensor(nrs)}, str(OUT / "w2v_io.safetensors"))
 
@@ -241,7 +253,11 @@ def make_w2v(wan_repo: Path, waves: dict):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--wan-repo", type=Path, required=True, help="folder holding the official wan/ package")
+    ap.add_argument("--official-git", type=Path, required=True,
+                    help="a git clone of Wan-Video/Wan2.2: its commit and requirements.txt pins are checked and recorded")
     args = ap.parse_args()
+    global META
+    META = as_metadata(provenance(args.official_git, "Wan-Video/Wan2.2"))  # refuses outside the official pins
     waves = {"speech.wav": speech_like(6.0)}
     stub_packages(args.wan_repo, waves)
     t5 = import_t5()

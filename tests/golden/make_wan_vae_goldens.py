@@ -1,8 +1,12 @@
 """Make the Wan VAE goldens: the official `WanVAE_` (wan/modules/vae2_1.py) at the fact sheet's tiny size (§8.2),
 float32 on CPU, fixed seed.
 
-    mkdir -p /tmp/wan22_vae && git -C /work/.mirror/Wan-Video+Wan2.2/repo archive HEAD wan | tar -x -C /tmp/wan22_vae
-    OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python tests/golden/make_wan_vae_goldens.py --wan-repo /tmp/wan22_vae
+    mkdir -p /tmp/wan22_vae && git -C $REPO archive HEAD wan | tar -x -C /tmp/wan22_vae
+    OMP_NUM_THREADS=1 nice -n 19 $OFFICIAL_VENV/bin/python tests/golden/make_wan_vae_goldens.py --wan-repo /tmp/wan22_vae --official-git $REPO
+
+$REPO is a git clone of Wan-Video/Wan2.2; $OFFICIAL_VENV its own environment (tests/golden/official_env.py create):
+the script refuses to run under versions outside that repository's requirements.txt and records the commit and
+the versions it ran with in every safetensors file it writes (header metadata `official`).
 
 Writes to tests/golden/wan_s2v/:
 - vae_tiny_weights.safetensors: the tiny random weights, in the official key layout;
@@ -24,6 +28,14 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+
+from official_env import as_metadata, provenance  # tests/golden/, on sys.path as the script's folder
+
+META: dict[str, str] = {}  # the official commit and versions, set in main()
+
+
+def save_file_with_provenance(tensors, path) -> None:
+    save_file(tensors, str(path), metadata=META)
 
 OUT = Path(__file__).resolve().parent / "wan_s2v"
 
@@ -47,7 +59,11 @@ def import_official(wan_repo: Path):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--wan-repo", type=Path, required=True, help="folder holding the official wan/ package")
+    ap.add_argument("--official-git", type=Path, required=True,
+                    help="a git clone of Wan-Video/Wan2.2: its commit and requirements.txt pins are checked and recorded")
     args = ap.parse_args()
+    global META
+    META = as_metadata(provenance(args.official_git, "Wan-Video/Wan2.2"))  # refuses outside the official pins
     vae2_1 = import_official(args.wan_repo)
 
     torch.manual_seed(0)
@@ -86,8 +102,8 @@ def main():
     print(f"mu: |max| {mu.abs().max():.3f}, std {mu.std():.3f}")
 
     OUT.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, OUT / "vae_tiny_weights.safetensors")
-    save_file({"video": video, "mu": mu.contiguous(), "z": z, "frames": frames.contiguous()},
+    save_file_with_provenance({k: v.contiguous() for k, v in model.state_dict().items()}, OUT / "vae_tiny_weights.safetensors")
+    save_file_with_provenance({"video": video, "mu": mu.contiguous(), "z": z, "frames": frames.contiguous()},
               OUT / "vae_io.safetensors")
     print(f"wrote {OUT / 'vae_tiny_weights.safetensors'} and {OUT / 'vae_io.safetensors'}")
 
