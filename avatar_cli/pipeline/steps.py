@@ -17,7 +17,7 @@ Bit-identical to one rank (tests/test_steps_pipeline.py): every step runs the sa
 Resume points. A checkpoint holds what one rank's render holds after block g, so a render resumes with either way:
 each step rank sends rank 0 a copy of its ring after every block (and step 0's rank the sink when it changes), and
 rank 0 assembles the state. That is cheap at tiny sizes and the wrong design at full size (41.5 GB of rings per
-block at 704x384, fact sheet §6.8; see live.py's docstring for the re-prefill alternative).
+block at 704x384, causal.py's docstring counts them; see live.py's docstring for the re-prefill alternative).
 
 Sends are asynchronous (isend) with at most PENDING blocks in flight per rank: a rank runs ahead of its consumer by
 that much and no further, which bounds the memory the copies in flight take. Receives block.

@@ -1,4 +1,4 @@
-"""Heavy, rarely-changing parts of a render served to a fleet (issue 16 §2): `avatar serve text` (text_server.py)
+"""Heavy, rarely-changing parts of a render served to a fleet: `avatar serve text` (text_server.py)
 and the client a render asks behind its text cache (text_client.py).
 
 Both need the optional extra `avatar-cli[service]` (FastAPI + uvicorn for the server, httpx for the client);

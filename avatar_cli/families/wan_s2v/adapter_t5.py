@@ -1,5 +1,5 @@
 """Key mapping between the released umT5-XXL encoder (`models_t5_umt5-xxl-enc-bf16.pth`, the official
-wan/modules/t5.py `T5Encoder` layout) and `transformers.UMT5EncoderModel` (fact sheet §5.3).
+wan/modules/t5.py `T5Encoder` layout) and `transformers.UMT5EncoderModel`.
 
 The official file is a pickled `torch.save` state dict of 242 bf16 tensors. Its per-block keys map one to one onto
 transformers' keys; the one difference in structure is the embedding, which transformers holds twice (`shared` and

@@ -1,6 +1,6 @@
 """Key mapping between the released Wan2.1 VAE (`Wan2.1_VAE.pth`: the official `WanVAE_` names, which our
 `vae.WanVAE` spells too) and diffusers' `AutoencoderKLWan` (the vae/ folder of the Diffusers-layout repacks of
-Wan2.2-S2V-14B; fact sheet §1.3), both directions, plus its config.json <-> our `WanVAEParams`.
+Wan2.2-S2V-14B), both directions, plus its config.json <-> our `WanVAEParams`.
 
 Only names change: every tensor keeps its shape (the RMS-norm gains included: (C, 1, 1, 1) in the residual blocks
 and heads, (C, 1, 1) in the attention blocks, in both layouts) and its values.

@@ -1,6 +1,6 @@
 """The Wan2.2-S2V audio features: wav2vec2 (the release's `wav2vec2-large-xlsr-53-english/`) through transformers,
 its 25 hidden states resampled 50 -> 30 fps, and the per-video-frame bucketing of the official AudioEncoder
-(wan/modules/s2v/audio_encoder.py, wan/speech2video.py `encode_audio`; fact sheet §3.1).
+(wan/modules/s2v/audio_encoder.py, wan/speech2video.py `encode_audio`).
 
     model, extractor = load_wav2vec2(ckpt / "wav2vec2-large-xlsr-53-english")
     feats = audio_features(model, extractor, samples_16k)          # (25, T30, 1024), the whole audio at once
@@ -17,7 +17,8 @@ interpolated between wav2vec2 frames at position p = i * (T_w - 1) / (T30 - 1); 
 k / 16 s + (-4.2 ms .. +42.5 ms), whatever the length (computed for 1 s to 4 h: the rounding to 30 fps adds up
 to +-1/60 s, the frame centre +12.5 ms, the align_corners stretch of T_w - 1 onto T30 - 1 the rest; it does not
 drift); `feature_time_s` gives the exact value. Giving output frame k the features of frame k keeps picture and
-sound in step; the official pipeline's 3-frame lead (fact sheet §3.5) comes from dropping 3 decoded frames, not
+sound in step; the official pipeline's 3-frame lead (`WanS2V.generate` drops clip 0's first 3 decoded frames,
+`image[:, :, 3:]`, in wan/speech2video.py) comes from dropping those frames, not
 from these features.
 
 The official path encodes the whole audio in one wav2vec2 call, whose memory grows with the length (quadratically

@@ -2,7 +2,8 @@
 
 The video is made in blocks of FRAMES_PER_BLOCK = 3 latent frames (12 video frames), each denoised by 4 Euler steps
 (timesteps [1000, 857.6923, 602.1506, 8.9286], shift 3, no guidance). The token sequence of a forward is only the
-block's noisy tokens; everything else comes from caches (fact sheet §6.3-6.4):
+block's noisy tokens; everything else comes from caches (their `CausalWanS2VSelfAttention.forward`,
+liveavatar/models/wan/causal_model_s2v.py):
 
 - Sink. The reference latent and the FramePack motion tokens [ref | post | 2x | 4x] run once through every layer at
   t = 0 (`prefill_sink`: self-attention among themselves, text cross-attention, FFN, no audio); each layer's un-roped
@@ -26,11 +27,11 @@ tables. Elsewhere the precision islands of `layers.py` apply (float32 LayerNorm,
 copy rounds the residual stream to bf16 after each block and runs LayerNorm in bf16, which matters only in bf16.
 Positions are computed, not looked up: their 45,000-row table ends after ~3.1 h of latent frames, this does not.
 
-Memory (§6.8), bf16, Wan2.2-S2V-14B (40 layers, 40 heads x 128) at 704x384 (P = 1056 tokens per latent frame):
+Memory, bf16, Wan2.2-S2V-14B (40 layers, 40 heads x 128) at 704x384 (P = 1056 tokens per latent frame):
 - one step's ring: 40 layers x 12 x 1056 = 12,672 tokens x 5120 x 2 (k, v) x 2 B = 10.38 GB; 4 steps 41.5 GB;
 - the sink: 40 x 2640 tokens (1056 ref + 1056 post + 264 2x + 264 4x) x 5120 x 2 x 2 B = 2.16 GB, shared by the
   steps (identical for all of them: the prefill does not depend on the step). Their TPP ranks each allocate 3000
-  slots (2.46 GB) and the single-GPU pipeline 2800.
+  slots (2.46 GB; `_initialize_kv_cache` in causal_s2v_pipeline_tpp.py) and the single-GPU pipeline 2800.
 A timestep-pipeline rank holds its own step's ring and the sink: 12.5 GB. `CausalCaches.empty(..., device="meta")`
 gives these shapes without memory.
 

@@ -154,7 +154,7 @@ class WanDiTParams:
 
     @classmethod
     def tiny(cls) -> "WanDiTParams":
-        """Fact sheet §8.1's tiny size (the official class at this size makes the goldens)."""
+        """The tiny test size (the official `WanModel_S2V` at this size makes the goldens)."""
         return cls(patch_size=(1, 2, 2), in_dim=16, out_dim=16, dim=64, ffn_dim=128, freq_dim=32, num_heads=2,
                    num_layers=3, text_dim=32, text_len=16, window_size=(-1, -1), qk_norm=True, cross_attn_norm=True,
                    eps=1e-6, audio_dim=32, num_audio_token=4, cond_dim=16, audio_inject_layers=(0, 2),

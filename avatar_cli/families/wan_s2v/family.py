@@ -6,7 +6,8 @@ frames decoded before it, re-encoded by the VAE into 19 motion latents exactly a
 
 Where we differ from the official loop, and why:
 - Lip sync. The official pipeline keeps frames 3..79 of clip 0 (they follow the reference frame), but gives
-  clip r the audio of frames 80r..80r+79, so its output leads the audio by 3 frames (187.5 ms; fact sheet §3.5).
+  clip r the audio of frames 80r..80r+79, so its output leads the audio by 3 frames (187.5 ms; `WanS2V.generate`
+  in wan/speech2video.py, `image[:, :, 3:]`).
   Here clip r's window starts 3 frames earlier, at 80r - 3 (clip 0: audio frames -3..76, zero features before
   the start, as past the end): output frame k is generated with the audio of frame k, i.e. shows audio time
   k / fps, for every k.

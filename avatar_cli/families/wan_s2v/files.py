@@ -1,6 +1,6 @@
 """The released Wan2.2-S2V-14B model directory: its two layouts, and a check of one that reads headers only.
 
-Layouts (fact sheet §1.1, §1.3):
+Layouts (the file lists of the two releases named below):
 - "official" (Wan-AI/Wan2.2-S2V-14B, flat): config.json + diffusion_pytorch_model-0000{1..4}-of-00004.safetensors
   + their index json (the DiT), models_t5_umt5-xxl-enc-bf16.pth (T5 encoder, bf16), Wan2.1_VAE.pth (fp32),
   google/umt5-xxl/ (tokenizer only), wav2vec2-large-xlsr-53-english/ (HF Wav2Vec2ForCTC).
@@ -145,7 +145,7 @@ def expected_for(component: str, layout: str, config: dict | None) -> tuple[Expe
         if config is None:
             return None, "no config.json to build the DiT from"
         try:
-            params = WanDiTParams.from_config(config)  # never the defaults (fact sheet §9.2)
+            params = WanDiTParams.from_config(config)  # never code defaults: WanModel_S2V.from_pretrained reads it
         except (ValueError, TypeError) as e:
             raise CheckpointFormatError(str(e)) from None
         return expected_from_module(build_meta(WanS2VDiT, params)), "WanS2VDiT(WanDiTParams.from_config(config.json))"

@@ -1,10 +1,11 @@
 """Layers of the Wan2.x DiT family as Wan2.2-S2V uses them. Pure tensor code: no I/O, no devices, no distributed calls.
 
-Precision follows what the official code gets on CUDA under bf16 autocast with its fp32 autocast islands (fact sheet
-§9.1), written out so that no autocast is needed: a Linear or conv runs in its weight's dtype (the input is cast to
-it), except the islands that the official code runs in fp32 (time embedding, modulation, head, audio encoder), which
-upcast their weights; LayerNorm and RMSNorm compute in fp32; RoPE rotates in float64. With fp32 weights every cast
-is a no-op and the arithmetic is the official fp32 arithmetic.
+Precision follows what the official code gets on CUDA under bf16 autocast with its fp32 autocast islands (the
+`amp.autocast(dtype=torch.float32)` blocks of wan/modules/s2v/model_s2v.py), written out so that no autocast is
+needed: a Linear or conv runs in its weight's dtype (the input is cast to it), except the islands that the official
+code runs in fp32 (time embedding, modulation, head, audio encoder), which upcast their weights; LayerNorm and
+RMSNorm compute in fp32; RoPE rotates in float64. With fp32 weights every cast is a no-op and the arithmetic is the
+official fp32 arithmetic.
 """
 
 from collections.abc import Callable

@@ -1,6 +1,6 @@
 """LiveAvatar's streaming mode of the wan-s2v family: the same Wan2.2-S2V weights (plus their LoRA, merged at load),
 generated in blocks of 3 latent frames with 4 Euler steps, per-step key/value rings and an attention sink
-(causal.py; fact sheet §6, §10). A chunk is one block.
+(causal.py; their liveavatar/models/wan/causal_model_s2v.py `CausalWanModel_S2V`). A chunk is one block.
 
 Blocks, frames and audio (their TPP pipeline, liveavatar/models/wan/causal_s2v_pipeline_tpp.py `generate`):
 - Their decoder is primed once with the first PRIME_LATENTS = 7 motion latents (the reference picture repeated 73
@@ -39,18 +39,19 @@ Rolling state (RollingState.tensors), all of it saved at every resume point, so 
 Nothing grows with the video: after block 4 the state's bytes are constant (tested).
 
 Its size at full size (Wan2.2-S2V-14B, 704x384, latent 48x88, bf16 DiT): 4 rings 41.52 GB (10.38 GB a step; their
-§6.8 12.8 GB counts 3000 sink slots per step), the sink 2.16 GB (2640 tokens, shared by the steps), the decoder
-cache 2.56 GB float32: 46.2 GB per resume point. The renderer writes one per published chunk, i.e. per block
-(0.75 s of video), and keeps 8: 370 GB on disk, written at 46 GB per block. That is a design for tests and tiny
-models, not for full size. The alternative, not implemented here: keep only the last 9 final latents (the ring's
-other 3 blocks: 1.2 MB bf16), the sink frame and ~21 latents for the decoder (its receptive field, fact sheet §9.17;
-2.8 MB), and on resume re-prefill: one sink prefill, per step s one forward over those 9 latents re-noised to
-sigma_s with their own (seeded) noise to refill ring s, and a decode of the 21 latents to re-prime the decoder:
-about 3 blocks' work, 12 block-sized forwards (~3 s on one GPU at their 45 fps, i.e. ~0.27 s a block-forward; ~0.8 s
-with their 4 step ranks each refilling its own ring) and a 21-latent decode, for a few MB a point. It is not
-bit-identical: the rings then hold keys of re-noised final latents, where the originals hold the
-keys of each step's actual input, which depended on rings reaching back to the first block; a resumed video would
-differ after the resume point (the motion continues; the pixels do not match the uninterrupted render).
+TPP ranks allocate 3000 sink slots per step on top, causal.py's docstring), the sink 2.16 GB (2640 tokens, shared by
+the steps), the decoder cache 2.56 GB float32: 46.2 GB per resume point. Points that large are paced
+(pipeline/checkpoint.py: writing them takes at most BUDGET of the render's time, and only the newest 2 are kept), so
+a crash redoes more blocks; still, 46 GB a point is a design for tests and tiny models, not for full size. The
+alternative, not implemented here: keep only the last 9 final latents (the ring's other 3 blocks: 1.2 MB bf16), the
+sink frame and ~21 latents for the decoder (its causal receptive field in time; 2.8 MB), and on resume re-prefill:
+one sink prefill, per step s one forward over those 9 latents re-noised to sigma_s with their own (seeded) noise to
+refill ring s, and a decode of the 21 latents to re-prime the decoder: about 3 blocks' work, 12 block-sized forwards
+(~3 s on one GPU at their 45 fps, i.e. ~0.27 s a block-forward; ~0.8 s with their 4 step ranks each refilling its
+own ring) and a 21-latent decode, for a few MB a point. It is not bit-identical: the rings then hold keys of
+re-noised final latents, where the originals hold the keys of each step's actual input, which depended on rings
+reaching back to the first block; a resumed video would differ after the resume point (the motion continues; the
+pixels do not match the uninterrupted render).
 
 Several ranks (runtime.parallel): `sequence` splits every block's forward over the ranks (Ulysses over heads,
 live_parallel.py, wired through StreamingSequenceParallel as the plan's sp_wrap): each rank keeps its heads of the

@@ -47,7 +47,7 @@ FAMILY = "wan-s2v"
 TINY_TOKENIZER = Path(__file__).resolve().parent / "tiny_tokenizer"
 
 # The tiny size `models init --size tiny` writes: every code path of the release at a size a CPU renders in
-# seconds (fact sheet §8; the text width is the DiT's text_dim, the audio width its audio_dim).
+# seconds (the text width is the DiT's text_dim, the audio width its audio_dim).
 T5_TINY = UMT5Params(vocab_size=128, dim=32, ffn_dim=64, num_heads=4, num_layers=2)
 VAE_PRESETS = {"release": WanVAEParams.full(), "tiny": WanVAEParams.tiny()}
 T5_PRESETS = {"release": UMT5_XXL, "tiny": T5_TINY}
@@ -325,8 +325,9 @@ def load_components(cfg: WanS2VConfig) -> dict[str, Module]:
 # --- models init --------------------------------------------------------------------------------------------
 
 def _randomise(model: torch.nn.Module, gen: torch.Generator) -> None:
-    """Every weight random, the zero-initialised ones included (fact sheet §9.16: a zero head or zero
-    injector outputs would make a random model output constants and hide every bug downstream)."""
+    """Every weight random, the zero-initialised ones included (the official `WanModel_S2V.init_weights` and
+    `zero_init_weights`, wan/modules/s2v/model_s2v.py, zero the head and the injector outputs: a random model built
+    that way outputs constants and hides every bug downstream)."""
     for name, p in model.named_parameters():
         if p.dim() <= 1 and ("norm" in name or name.endswith(".weight") and p.dim() == 1):
             p.data = 1.0 + 0.1 * torch.randn(p.shape, generator=gen)  # norms/gains stay near one

@@ -1,5 +1,5 @@
 """The Wan2.2-S2V text encoder: umT5-XXL's encoder as `transformers.UMT5EncoderModel`, its tokenizer, and the
-prompt -> context path of the official `T5EncoderModel` wrapper (wan/modules/t5.py, tokenizers.py; fact sheet §5).
+prompt -> context path of the official `T5EncoderModel` wrapper (wan/modules/t5.py, tokenizers.py).
 
     tokenizer = load_tokenizer(ckpt / "google/umt5-xxl")
     with torch.device("meta"):
@@ -8,7 +8,8 @@ prompt -> context path of the official `T5EncoderModel` wrapper (wan/modules/t5.
     context = encode(model.eval().to(device), tokenizer, [prompt, S2V_NEGATIVE_PROMPT])  # [(L_i, 4096)] * 2
 
 The released weights are bf16 (11.4 GB); the official code runs the encoder in bf16 (T5 in fp32 would be 22.7 GB).
-The DiT zero-pads each context back to 512 tokens itself, without a mask (fact sheet §9 item 5): hand it the
+The DiT zero-pads each context back to 512 tokens itself, without a mask (as `WanModel_S2V.forward` does with
+`text_len`, wan/modules/s2v/model_s2v.py): hand it the
 trimmed tensors as they come out of `encode`.
 """
 

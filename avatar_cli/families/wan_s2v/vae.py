@@ -2,7 +2,8 @@
 
 Our own implementation, key-for-key compatible with the released `Wan2.1_VAE.pth` (the module tree below spells
 the release's keys: `encoder.downsamples.5.time_conv.weight`, `decoder.middle.1.to_qkv.weight`, ...) and
-numerically equal to the official `WanVAE_` (fact sheet §4; tests/test_wan_vae.py checks it at the tiny size).
+numerically equal to the official `WanVAE_` (wan/modules/vae2_1.py; tests/test_wan_vae.py checks it at the tiny
+size).
 
 Time is causal everywhere: every temporal convolution pads on the left only, so frame t depends on frames <= t.
 The official code encodes 1 + 4 + 4 + ... frames and decodes one latent per call, carrying the last CACHE_T = 2
@@ -65,7 +66,7 @@ class WanVAEParams:
 
     @classmethod
     def tiny(cls) -> "WanVAEParams":
-        """Fact sheet §8.2: the same architecture at dim 8 (924,491 params), for tests."""
+        """The same architecture at dim 8, for tests (the goldens ran the official `WanVAE_` at this size)."""
         return cls(dim=8)
 
     @property
