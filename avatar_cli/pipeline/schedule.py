@@ -16,9 +16,10 @@ def choose_transitions(value: bool | str, kinds: Collection[str], device_type: s
     """chunking.transitions as a bool, and why when `auto` chose it ("" otherwise). runner.render resolves it
     before the resume fingerprint (a resume needs the same plan); Pipeline.schedule again for its other callers.
 
-    On a GPU the I chunks cost little next to the rest; on a CPU they were 27 % of the DiT's time (1.27x for the
-    demo without them, on 2 AVX2 cores) for an eval seam ratio of 0.852 against 0.866 without them (target <= 1.2;
-    bench/results.md). A family without I chunks (wan-s2v) has none to turn on.
+    Why by device: an I chunk is a short extra DiT forward over a seam. On a GPU it costs little next to the N
+    chunks; on a CPU a short forward uses the cores less well than an N chunk's, so the I chunks take a large share
+    of the DiT's time, while the eval's seam ratio stays within its target without them (the measured cost and
+    ratios: bench/results.md, the demo and eval entries). A family without I chunks (wan-s2v) has none to turn on.
     """
     if isinstance(value, bool):
         return value, ""
