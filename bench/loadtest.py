@@ -1,5 +1,6 @@
-"""A bounded load test of `avatar serve text` (tests/test_text_service.py and bench/text_service.py): the service
-in its own process, N client threads on loopback, every answer verified, the server's RSS read from /proc."""
+"""A bounded load test of `avatar serve text` (bench/text_service.py, and tests/test_text_service.py at 200
+requests): the service in its own process, N client threads on loopback, every answer verified, the server's RSS
+read from /proc."""
 
 import os
 import re

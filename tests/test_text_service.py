@@ -15,15 +15,15 @@ from typer.testing import CliRunner
 from avatar_cli import runner
 from avatar_cli.cli import app
 from avatar_cli.errors import InputError, RenderError
-from avatar_cli.modules.registry import resolve_model
+from avatar_cli.families.registry import resolve_model
 from avatar_cli.pipeline.text_cache import PromptCache, TextCache, entry_bytes, load_prompt_step
 from avatar_cli.report import QuietReporter
 from avatar_cli.runtime.device import resolve_runtime
 from avatar_cli.service import SCHEMA, TOKEN_ENV
-from avatar_cli.service.loadtest import run_load, start_server
 from avatar_cli.service.text_client import BACKOFF_S, ServiceError, TextServiceClient
 from avatar_cli.service.text_server import Encoder, Running, listen, make_app
 from avatar_cli.spec import load_job
+from bench.loadtest import run_load, start_server
 from tests.conftest import write_reference, write_wav
 
 TOKEN = "0123456789abcdef-test-token"
