@@ -1,52 +1,36 @@
-"""GPU check for a session with a CUDA device (issue 3). Not yet run on a GPU: no session has had one.
+"""Speed and memory checks on one CUDA GPU: one script that prints one line per figure and a JSON summary.
 
-One prepared script, under 5 minutes on one GPU; prints one line per figure and a JSON summary:
-  1. stage handoff overhead (A2V -> SR -> VAE -> next chunk's A2V), CUDA events, block and model offload,
-     with and without the next stage's prefetch;
-  2. block offload vs everything resident: time per DiT forward, on a large synthetic DiT;
-  3. time to first frame and render fps at 512x512 (the real `render`, in process);
-  4. peak GPU memory, a 30 s vs a long render (5 min if the time budget allows, else shorter: printed);
-  5. h264_nvenc vs libx264 encode fps at 512x512.
-Each section is guarded: a failure prints its error and the rest still run (exit 1 if any failed).
+Run it from a checkout with avatar installed (`make setup`, or `pip install -e .`), on a machine with a CUDA GPU:
 
-    python bench/gpu_check.py [--budget-s 270] [--long-s 300] [--markdown FILE]
+    python bench/gpu_check.py [--sections LIST] [--budget-s 270] [--long-s 300] [--markdown FILE]
 
---sections picks sections by name (comma-separated; default: the four behind 1-5, as they always ran):
-handoff, offload_overhead, encode_fps, renders, and `wan`, `decode` and `live`, which the default leaves out (`live`
-is bench/live_gpu.py: the wan-s2v streaming mode's block forward at 704x384, its fps and TTFF; wan needs
-~45 GB of GPU memory and its own time budget):
-  6. wan: Wan2.2-S2V-14B at full size with random weights (WanS2VDiT 16.3 B parameters in bf16, the fp32 VAE),
-     one 480p clip r >= 1 (fact sheet §3.6: latent 16x20x56x104, 32,760 tokens, audio [1,25,1024,80]):
-     a measured bf16 matmul peak; the DiT forward (warm-up + median of 3, CUDA events), its peak memory,
-     tokens/s and FLOP/s (FLOPs counted by FlopCounterMode on meta, bench/wan_budget.py, with the meta
-     prediction of its activation peak); the handoff, GPU idle time from the end of the clip's last Euler step
-     to the first kernel of the VAE decode of its 20 latents (kineto between two marker kernels); the decode
-     (continuing the timeline, 20 latents -> 80 frames) in fp32, the official dtype, and in bf16, and the fp32
-     re-encode of the 73 motion frames every clip makes: median of 2 and peak memory. One JSON line per
-     measurement ({"measure": ...}), then a summary line. bench/wan_budget.py predicts these on paper.
-  7. decode: runtime.decode worker vs inline (issue 16 §3), the sample job (mini) at 512x512, a 30 s clip, 2 renders
-     of each mode alternating: generate s, rtf, TTFF, the decode's seconds and the render process's wait on the
-     worker's queue, peak GPU memory, the worker's peak RSS, and whether the frames are identical. It renders, so
-     it needs av and omegaconf installed as below; about 2 minutes on one GPU (an estimate: 4 renders of ~20 s plus
-     the worker's start), timeout_s 240, after the install line below:
-         PYTHONUNBUFFERED=1 python3 bench/gpu_check.py --sections decode --budget-s 200 --markdown $OUT/gpu_check_decode.md
+Sections (--sections, comma-separated; the default runs the first four):
+  handoff           stage handoff overhead (A2V -> SR -> VAE -> next chunk's A2V), CUDA events, block and model
+                    offload, with and without the next stage's prefetch;
+  offload_overhead  block offload vs everything resident: time per DiT forward, on a large synthetic DiT;
+  renders           time to first frame and render fps at 512x512 (the real `render`, in process), and peak GPU
+                    memory of a 30 s vs a long render (--long-s, shortened to fit --budget-s, skipped if under 60 s);
+  encode_fps        h264_nvenc vs libx264 encode fps at 512x512;
+  wan               Wan2.2-S2V-14B at full size with random weights (the 16.3 B-parameter DiT in bf16, the fp32
+                    VAE; needs about 45 GB of GPU memory), one 480p clip r >= 1 (latent 16x20x56x104, 32,760
+                    tokens, audio [1, 25, 1024, 80]): a measured bf16 matmul peak; the DiT forward (warm-up + median
+                    of 3, CUDA events), its peak memory, tokens/s and FLOP/s (FLOPs counted on the meta device by
+                    bench/wan_budget.py, which also predicts the activation peak); the handoff, GPU idle time from
+                    the clip's last Euler step to the first kernel of the VAE decode of its 20 latents; the decode
+                    (continuing the timeline, 20 latents -> 80 frames) in fp32, the official dtype, and in bf16; and
+                    the fp32 re-encode of the 73 motion frames every clip makes: median of 2 and peak memory.
+                    Needs torch only. bench/wan_budget.py predicts these figures on paper;
+  decode            runtime.decode worker vs inline: the sample job (mini) at 512x512 and a 30 s clip, 2 renders
+                    of each mode alternating: generate s, rtf, TTFF, the decode's seconds and the render process's
+                    wait on the worker's queue, peak GPU memory, the worker's peak RSS, and whether the frames match;
+  live              bench/live_gpu.py: the wan-s2v streaming mode's block forward at 704x384, its fps and TTFF.
+Each section is guarded: a failure prints its error and the rest still run (exit 1 if any failed). --budget-s
+bounds the whole run; give `wan` a run of its own.
 
---markdown writes the figures as a bench/results.md section (date, GPU, torch, command): paste it in.
---smoke runs every section on the CPU at toy sizes (HostTransfer for the GPU, wall clock for CUDA
-events): the test suite runs it, so the script's first GPU run is not also its first run. Its figures
-mean nothing.
-
-On the lent device machine (Python 3.12, torch 2.11; typer, rich, safetensors, PyYAML there; av and
-omegaconf not), once here (two pure-abi3/pure-Python wheels, 36 MB, the versions the tests use):
-    echo /.whl/ >> .git/info/exclude
-    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl av==18.1.0 omegaconf==2.4.0
-then one run, carry [".whl"], timeout_s 420:
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-    PYTHONUNBUFFERED=1 python3 bench/gpu_check.py --markdown $OUT/gpu_check.md
-The wan section alone needs nothing installed (torch only); about 2 minutes on an H200 (an estimate: 6 DiT
-forwards of ~4 s, 8 VAE decodes and 3 encodes of ~1-3 s, ~20 s of meta counting on the CPU), timeout_s 300:
-    PYTHONUNBUFFERED=1 python3 bench/gpu_check.py --sections wan --budget-s 240 --markdown $OUT/gpu_check_wan.md
+--markdown writes the figures as a bench/results.md section (date, GPU, torch, command) to paste in.
+--smoke runs every section on the CPU at toy sizes (a host copy stands in for the GPU, the wall clock for CUDA
+events); the test suite runs it, so that a first GPU run is not also the script's first run. Its figures mean
+nothing.
 """
 
 import argparse
