@@ -191,9 +191,9 @@ def models(ctx: typer.Context, json: JsonOpt = None, debug: DebugOpt = False) ->
         return
 
     def action(reporter):
-        from avatar_cli.modules.registry import SHIPPED, param_count, resolve_model
+        from avatar_cli.families.registry import param_count, resolve_model, shipped_names
 
-        for name in SHIPPED:
+        for name in sorted(shipped_names()):
             src = resolve_model(name, Path.cwd())
             _print_info(reporter, {"event": "model", "name": name, "size": src.config.size,
                                    "params": param_count(src), "trained": src.trained,
@@ -212,9 +212,9 @@ def models_init(directory: Annotated[Path, typer.Argument(help="A new (or empty)
                 json: JsonOpt = None, debug: DebugOpt = False) -> None:
     """Write a randomly initialised model directory in the family's real format."""
     def action(reporter):
-        from avatar_cli.modules.registry import init_family_dir, param_count
+        from avatar_cli.families.registry import get, init_family_dir, param_count
 
-        chosen = size or ("tiny" if family == "wan-s2v" else "mini")
+        chosen = size or get(family).sizes[0]  # the family's default size
         src = init_family_dir(directory, chosen, seed, family)
         _print_info(reporter, {"event": "model", "name": str(directory), "family": src.family_name, "size": chosen,
                                "params": param_count(src), "trained": False,
@@ -231,7 +231,7 @@ def models_check(directory: Annotated[Path, typer.Argument(help="A model directo
     parameters, dtypes and bytes, and every missing, unexpected or mis-shaped tensor by name.
     Exit 0 when everything fits, 2 when something does not."""
     def action(reporter):
-        from avatar_cli.modules.registry import check_directory
+        from avatar_cli.families.registry import check_directory
 
         report = check_directory(directory)
         _print_check(reporter, report)

@@ -45,7 +45,7 @@ def check_rank_count(jobs: list, overrides: list[str], output: str | None, nproc
     Jobs that don't load are left to the workers, which report them as one process would.
     """
     from avatar_cli.errors import AvatarError, InputError
-    from avatar_cli.modules.registry import resolve_model, with_mode
+    from avatar_cli.families.registry import resolve_model, with_mode
     from avatar_cli.pipeline.steps import choose_parallel
     from avatar_cli.families.base import check_degree
     from avatar_cli.spec import load_job

@@ -21,7 +21,7 @@ from avatar_cli.media.audio import AudioInfo, AudioWindowReader, probe_audio
 from avatar_cli.media.image import fit_image, load_image, small_image_warning
 from avatar_cli.media.writer import Mp4Writer, resolve_codec
 from avatar_cli.modules.module import Module
-from avatar_cli.modules.registry import ModelSource, check_model, load_modules, resolve_model
+from avatar_cli.families.registry import ModelSource, check_model, load_modules, resolve_model
 from avatar_cli.pipeline import checkpoint as ckpt
 from avatar_cli.pipeline import decode_worker, text_cache
 from avatar_cli.pipeline.decode_worker import DecodeWorker
@@ -118,11 +118,11 @@ def prepare(job: Job, force: bool = False) -> Prepared:
     model = resolve_model(job.model, job.path.parent)
     check_model(model)
     if job.spec.mode != model.mode:
-        from avatar_cli.modules.registry import with_mode
+        from avatar_cli.families.registry import with_mode
 
         model = with_mode(model, job.spec.mode)
     if job.lora is not None:  # its headers against the DiT built on meta: a wrong file is exit 2 before any load
-        from avatar_cli.modules.registry import with_lora
+        from avatar_cli.families.registry import with_lora
 
         model = with_lora(model, job.lora, job.spec.lora_rank, job.spec.lora_scale)
     sp = job.spec.sampling

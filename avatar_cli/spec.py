@@ -271,15 +271,15 @@ def load_job(job_path: str | Path, overrides: list[str] | None = None, output: s
 def _family_defaults(model: str, base: Path, mode: str) -> tuple[str, dict] | None:
     """(family name, its job defaults) of the job's model, or None when it has none or the model does not
     resolve (prepare() then says why, with exit 2)."""
-    from avatar_cli.modules.registry import family_defaults  # local import, as below
+    from avatar_cli.families.registry import family_defaults  # local import, as below
 
     return family_defaults(model, base, mode)
 
 
 def _shipped_names() -> set[str]:
-    from avatar_cli.modules.registry import SHIPPED  # local import: spec must not pull in torch at import time
+    from avatar_cli.families.registry import shipped_names  # local import: spec must not pull in torch at import time
 
-    return set(SHIPPED)
+    return shipped_names()
 
 
 def validate(s: JobSpec) -> None:

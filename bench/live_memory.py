@@ -222,7 +222,7 @@ def main() -> int:
         child(args.child, args.folder, args.sample_s, args.trim_each_chunk, args.overrides)
         return 0
 
-    from avatar_cli.modules.registry import init_family_dir
+    from avatar_cli.families.registry import init_family_dir
     from tests.test_wan_live import write_job
 
     fixed, long_s, short_s = MODES[args.mode]

@@ -42,7 +42,7 @@ def job_file(folder: Path, name: str, model: str, extra: str) -> Path:
 def prepare(work: Path, audio_s: float) -> None:
     """(helper process) the inputs, the tiny wan-s2v model and the big-text mini; prints the machine."""
     sys.path.insert(0, str(ROOT))
-    from avatar_cli.modules.registry import init_family_dir
+    from avatar_cli.families.registry import init_family_dir
     from bench.machine import describe
     from tests.conftest import write_reference, write_wav
 
@@ -76,7 +76,7 @@ def text_alone(model: str, base: Path) -> None:
     import time
 
     sys.path.insert(0, str(ROOT))
-    from avatar_cli.modules.registry import load_modules, resolve_model
+    from avatar_cli.families.registry import load_modules, resolve_model
     from avatar_cli.pipeline.text_cache import prompt_components
 
     source = resolve_model(model, base)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from avatar_cli.media.image import save_png
-from avatar_cli.modules.registry import init_model_dir
+from avatar_cli.families.mini.model_dir import init_model_dir
 from tests import forkserver
 
 

@@ -12,7 +12,8 @@ from safetensors.torch import load_file, save_file
 from avatar_cli.errors import InputError
 from avatar_cli.families.mini.config import COMPONENTS, SIZES, FamilyConfig
 from avatar_cli.modules.module import load_module, save_safetensors
-from avatar_cli.modules.registry import check_model, init_model_dir, load_modules, resolve_model
+from avatar_cli.families.mini.model_dir import init_model_dir
+from avatar_cli.families.registry import check_model, load_modules, resolve_model
 
 
 def test_model_dir_round_trip(tmp_path):

@@ -12,7 +12,7 @@ from avatar_cli.evaluate.bench import vae_psnr, write_wav
 from avatar_cli.evaluate.metrics import chunk_boundaries, face_error, frame_changes, lip_sync, seam_ratio
 from avatar_cli.spec import load_job
 from avatar_cli.media.image import save_png
-from avatar_cli.modules.registry import check_model, load_modules, resolve_model
+from avatar_cli.families.registry import check_model, load_modules, resolve_model
 from avatar_cli.synth import (EVAL_IDENTITY_SEEDS, HELDOUT_AUDIO_SEED_START, SAMPLE_RATE, make_clip, render_reference,
                               synth_speech)
 from tests.conftest import avatar

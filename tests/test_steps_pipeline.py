@@ -11,7 +11,7 @@ import pytest
 
 from avatar_cli.families.mini.family import MiniFamily
 from avatar_cli.families.wan_s2v.live import LiveAvatarFamily
-from avatar_cli.modules.registry import init_family_dir
+from avatar_cli.families.registry import init_family_dir
 from avatar_cli.pipeline.steps import choose_parallel, rank_skips
 from tests.conftest import avatar, start_avatar, write_reference, write_wav
 
@@ -43,7 +43,7 @@ def test_steps_refused_where_it_cannot_run():
 
 
 def test_each_rank_loads_only_what_its_role_runs(job: Path):
-    from avatar_cli.modules.registry import resolve_model, with_mode
+    from avatar_cli.families.registry import resolve_model, with_mode
 
     f = with_mode(resolve_model(str(job.parent / "tiny"), job.parent), "streaming").family
     assert rank_skips(f, 0) == {"text", "audio", "dit"}  # the decode rank: the VAE alone

@@ -13,7 +13,7 @@ import torch
 
 from avatar_cli import runner
 from avatar_cli.families.mini.family import MiniFamily
-from avatar_cli.modules.registry import init_family_dir, load_modules, resolve_model
+from avatar_cli.families.registry import init_family_dir, load_modules, resolve_model
 from avatar_cli.pipeline import text_cache
 from avatar_cli.pipeline.text_cache import EntryKey, PromptCache, TextCache
 from avatar_cli.report import QuietReporter

@@ -10,7 +10,7 @@ import torch
 from avatar_cli.errors import InputError
 from avatar_cli.families.mini.audio import AudioParams
 from avatar_cli.families.mini.config import SIZES
-from avatar_cli.modules.registry import load_modules, resolve_model
+from avatar_cli.families.registry import load_modules, resolve_model
 from avatar_cli.train import plan_for, train
 from avatar_cli.train.data import clip_seeds, mel_features
 from avatar_cli.synth import EVAL_IDENTITY_SEEDS, TRAIN_IDENTITY_SEEDS

@@ -13,7 +13,7 @@ import pytest
 
 from avatar_cli.families.base import Sampling
 from avatar_cli.families.wan_s2v.family import LEAD, WanS2VFamily, size_less_than_area
-from avatar_cli.modules.registry import check_model, init_family_dir, resolve_model
+from avatar_cli.families.registry import check_model, init_family_dir, resolve_model
 from avatar_cli.pipeline.schedule import num_frames
 from tests.conftest import avatar, start_avatar, write_reference, write_wav
 

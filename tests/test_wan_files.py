@@ -419,7 +419,7 @@ def test_models_check_cli_on_the_sparse_14b_release(release):
 
 
 def test_models_check_cli_names_a_mis_shaped_tensor(tmp_path):
-    from avatar_cli.modules.registry import init_family_dir
+    from avatar_cli.families.registry import init_family_dir
 
     d = tmp_path / "tiny"
     init_family_dir(d, "tiny", family="wan-s2v")

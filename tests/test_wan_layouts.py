@@ -28,7 +28,7 @@ from avatar_cli.families.wan_s2v.adapter_t5 import wan_to_hf
 from avatar_cli.families.wan_s2v.files import DIFFUSERS, OFFICIAL, TIED_T5_KEY
 from avatar_cli.families.wan_s2v.text import UMT5_XXL, umt5_config
 from avatar_cli.families.wan_s2v.vae import WanVAEParams
-from avatar_cli.modules.registry import check_directory
+from avatar_cli.families.registry import check_directory
 from tests.conftest import avatar, start_avatar, write_reference, write_wav
 
 GOLDEN = Path(__file__).parent / "golden" / "wan_s2v"

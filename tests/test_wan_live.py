@@ -21,7 +21,7 @@ from avatar_cli.families.wan_s2v import live
 from avatar_cli.families.wan_s2v.family import WanS2VFamily
 from avatar_cli.families.wan_s2v.live import LiveAvatarFamily
 from avatar_cli.families.wan_s2v.vae import WanVAECache
-from avatar_cli.modules import registry
+from avatar_cli.families import registry
 from avatar_cli.pipeline.checkpoint import state_from_tensors, state_tensors
 from avatar_cli.pipeline.schedule import num_frames
 from tests import forkserver

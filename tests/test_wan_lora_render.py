@@ -20,7 +20,7 @@ from avatar_cli.cli import app
 from avatar_cli.families.wan_s2v.dit import WanDiTParams, WanS2VDiT
 from avatar_cli.families.wan_s2v.lora import merge_lora, peft_targets, read_lora
 from avatar_cli.modules.module import save_safetensors
-from avatar_cli.modules.registry import init_family_dir, load_modules, resolve_model, with_lora
+from avatar_cli.families.registry import init_family_dir, load_modules, resolve_model, with_lora
 from avatar_cli.pipeline.fingerprint import describe_change, job_fingerprint
 from avatar_cli.runtime.device import Runtime
 from avatar_cli.runtime.distributed import Dist

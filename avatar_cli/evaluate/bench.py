@@ -21,7 +21,7 @@ import torch
 from avatar_cli import runner
 from avatar_cli.evaluate import metrics as M
 from avatar_cli.media.image import save_png
-from avatar_cli.modules.registry import load_modules, resolve_model
+from avatar_cli.families.registry import load_modules, resolve_model
 from avatar_cli.report import QuietReporter
 from avatar_cli.spec import load_job
 from avatar_cli.synth import EVAL_IDENTITY_SEEDS, HELDOUT_AUDIO_SEED_START, SAMPLE_RATE, make_clip, render_reference

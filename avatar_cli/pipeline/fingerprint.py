@@ -8,7 +8,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from avatar_cli.modules.registry import ModelSource
+from avatar_cli.families.registry import ModelSource
 from avatar_cli.pipeline.checkpoint import file_digest
 from avatar_cli.spec import Job
 

@@ -33,7 +33,6 @@ encoded here.
 """
 
 import hashlib
-import inspect
 import json
 import os
 import socket
@@ -50,12 +49,10 @@ from torch import nn
 
 from avatar_cli.errors import InputError, RenderError
 from avatar_cli.families.base import Family
-from avatar_cli.modules.registry import RANDOM_SEED, ModelSource
+from avatar_cli.families.registry import ModelSource
 
 FORMAT = "avatar-text-cache/1"
 AUTO, OFF = "auto", "off"
-SAMPLES, SAMPLE_BYTES, TAIL_BYTES = 16, 4096, 64 << 10
-MAX_HEADER = 1 << 24  # as pipeline/fingerprint.py: a safetensors header is at most this much of the digest
 
 
 def default_folder() -> Path:
@@ -100,79 +97,11 @@ class EntryKey:
         return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-_file_digests: dict[tuple, str] = {}
-
-
-def file_digest(path: Path) -> str:
-    """A cheap content digest of a weights file (see the module docstring): a few hundred KB read, however big
-    the file. Remembered per (path, size, mtime) for the life of the process."""
-    st = path.stat()
-    memo = (str(path), st.st_size, st.st_mtime_ns, st.st_ino)
-    if memo in _file_digests:
-        return _file_digests[memo]
-    h = hashlib.sha256(f"{st.st_size}".encode())
-    with open(path, "rb") as f:
-        head = f.read(8)
-        h.update(head)
-        if path.suffix == ".safetensors" and len(head) == 8:
-            (n,) = struct.unpack("<Q", head)
-            h.update(f.read(min(n, MAX_HEADER)))
-        else:
-            h.update(f.read(TAIL_BYTES))
-        for i in range(SAMPLES):
-            f.seek(st.st_size * i // SAMPLES)
-            h.update(f.read(SAMPLE_BYTES))
-        f.seek(max(0, st.st_size - TAIL_BYTES))
-        h.update(f.read(TAIL_BYTES))
-    _file_digests[memo] = h.hexdigest()
-    return _file_digests[memo]
-
-
-def folder_digest(folder: Path) -> str:
-    """Every file under `folder`, whole (tokenizers are a few MB): names and contents."""
-    h = hashlib.sha256()
-    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
-        h.update(str(path.relative_to(folder)).encode() + b"\0")
-        h.update(hashlib.sha256(path.read_bytes()).digest())
-    return h.hexdigest()
-
-
-def _sha(text: str) -> str:
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
-
-
-def _mini_identity(source: ModelSource) -> tuple[str, str, str]:
-    from avatar_cli.families.mini.config import COMPONENTS
-    from avatar_cli.families.mini.text import tokenize
-
-    p = source.config.text
-    if source.path is None:  # the seeded random init: its config, seed and torch's generator make the weights
-        encoder = _sha(f"{source.fingerprint}:{RANDOM_SEED}:{json.dumps(asdict(p))}:{torch.__version__}")
-    else:
-        encoder = file_digest(source.path / COMPONENTS["text"][0])
-    # mini's tokenizer is code: its rule, its vocabulary and its length limit.
-    tokenizer = _sha(inspect.getsource(tokenize) + json.dumps([list(p.vocab), p.max_tokens]))
-    return encoder, tokenizer, ""
-
-
-def _wan_identity(source: ModelSource) -> tuple[str, str, str]:
-    from avatar_cli.families.wan_s2v.text import S2V_NEGATIVE_PROMPT
-
-    files = source.config.files
-    weights = files["t5"].weights
-    if weights.name.endswith(".index.json"):  # Diffusers' sharded text_encoder/: the index and each shard
-        shards = sorted(set(json.loads(weights.read_text())["weight_map"].values()))
-        encoder = _sha(file_digest(weights) + "".join(file_digest(weights.parent / s) for s in shards))
-    else:
-        encoder = file_digest(weights)
-    config = files["t5"].config  # Diffusers' text_encoder/config.json; the official .pth has none
-    if config is not None and config.is_file():
-        encoder = _sha(encoder + config.read_text())
-    return encoder, folder_digest(files["tokenizer"].root), S2V_NEGATIVE_PROMPT
-
-
-IDENTITIES: dict[str, Callable[[ModelSource], tuple[str, str, str]]] = {"mini": _mini_identity,
-                                                                         "wan-s2v": _wan_identity}
+def identity(source: ModelSource) -> tuple[str, str, str] | None:
+    """What makes the source's prompt encodings equal (encoder digest, tokenizer digest, negative prompt): its
+    family spec's prompt identity; None when the family declares none (its prompts are then never cached)."""
+    of = source.spec.prompt_identity
+    return of(source) if of is not None else None
 
 
 def prompt_components(family: Family) -> tuple[str, ...]:
@@ -313,9 +242,11 @@ class PromptCache:
         self.store = store
         self.family = source.family
         self.service = service if service is not None and service.url else None
-        identity = IDENTITIES.get(self.family.name)
         wanted = store is not None or self.service is not None
-        self._identity = identity(source) if wanted and identity is not None else None
+        self._identity = identity(source) if wanted else None
+        if wanted and self._identity is None:
+            note(f"note: the {self.family.name} family declares no prompt identity: its prompts are encoded for "
+                 "every job, never cached")
         self.dtype = encoder_dtype(self.family, dtype)
         self.note = note
         self.write = write
@@ -504,7 +435,7 @@ def fill(paths: list[Path], overrides: list[str], note: Callable[[str], None]) -
     them; with `fallback: true` what the service fails is encoded here). A bad job is reported in `bad` and the
     others are still filled; a failed service is the RenderError a render would get."""
     from avatar_cli.errors import AvatarError
-    from avatar_cli.modules.registry import check_model, resolve_model
+    from avatar_cli.families.registry import check_model, resolve_model
     from avatar_cli.runtime.device import resolve_runtime
     from avatar_cli.spec import load_job
 
@@ -549,7 +480,7 @@ def fill(paths: list[Path], overrides: list[str], note: Callable[[str], None]) -
 def load_prompt_step(source: ModelSource, runtime: Any) -> Mapping[str, nn.Module]:
     """Only the prompt step's components, loaded and placed as a render places them (so their encodings are
     the render's, bit for bit)."""
-    from avatar_cli.modules.registry import load_modules
+    from avatar_cli.families.registry import load_modules
     from avatar_cli.runner import plan_for
     from avatar_cli.runtime.distributed import Dist
     from avatar_cli.runtime.placement import place

@@ -38,8 +38,8 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from avatar_cli.errors import InputError, RenderError
-from avatar_cli.modules.registry import ModelSource, check_model, resolve_model
-from avatar_cli.pipeline.text_cache import IDENTITIES, EntryKey, encoder_dtype, entry_bytes, load_prompt_step
+from avatar_cli.families.registry import ModelSource, check_model, resolve_model
+from avatar_cli.pipeline.text_cache import EntryKey, encoder_dtype, entry_bytes, identity, load_prompt_step
 from avatar_cli.runtime.device import Runtime, dtype_name, resolve_runtime
 from avatar_cli.service import SCHEMA, TOKEN_ENV
 
@@ -68,7 +68,10 @@ class Encoder:
     def __init__(self, source: ModelSource, runtime: Runtime):
         self.source, self.runtime, self.family = source, runtime, source.family
         self.models = load_prompt_step(source, runtime)
-        self.identity = IDENTITIES[self.family.name](source)  # (encoder digest, tokenizer digest, negative)
+        self.identity = identity(source)  # (encoder digest, tokenizer digest, negative)
+        if self.identity is None:
+            raise InputError(f"the {self.family.name} family declares no prompt identity: its encodings cannot be "
+                             "served (nothing could tell a job's encoder from another's)")
         self.dtype = dtype_name(encoder_dtype(self.family, runtime.dtype))
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="text-encoder")
 

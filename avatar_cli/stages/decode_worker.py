@@ -350,7 +350,7 @@ def _worker_main(source: Any, runtime: Runtime, threads: int, writer_path: str, 
     writer = None
     try:
         from avatar_cli.media.writer import Mp4Writer
-        from avatar_cli.modules.registry import load_modules
+        from avatar_cli.families.registry import load_modules
         from avatar_cli.runtime.distributed import Dist
         from avatar_cli.runtime.placement import place
         from avatar_cli.stages.publish import DecodePublish

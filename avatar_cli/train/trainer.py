@@ -22,7 +22,7 @@ from torch import nn
 from avatar_cli.errors import InputError
 from avatar_cli.families.mini.config import COMPONENTS, SIZES, FamilyConfig
 from avatar_cli.modules.module import Module
-from avatar_cli.modules.registry import ModelSource, load_modules, resolve_model
+from avatar_cli.families.registry import ModelSource, load_modules, resolve_model
 from avatar_cli.train import checkpoint as ckpt
 from avatar_cli.train.data import VAEFrames, build_dit_clip, downsample, build_sr_clip, load_clips, save_clip
 from avatar_cli.train.losses import (decoder_loss, dit_batch, dit_loss, lr_at, normalize_latents, sr_batch, sr_loss,
