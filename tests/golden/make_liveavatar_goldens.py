@@ -1,4 +1,4 @@
-"""Make the LiveAvatar streaming goldens: THEIR block-causal `CausalWanModel_S2V` at the tiny size (fact sheet §8.3),
+"""Make the LiveAvatar streaming goldens: THEIR block-causal `CausalWanModel_S2V` at the tiny size of the DiT goldens,
 float32 on the CPU, over 2 clips x 4 blocks x 4 Euler steps, driven the way their TPP pipeline drives it.
 
     git -C $REPO archive HEAD liveavatar | tar -x -C /tmp/la
@@ -30,7 +30,7 @@ step ranks folded into one process as its single-GPU twin causal_s2v_pipeline.py
   replaced for the run by a planned list (drawn from numpy seed OFFSET_SEED, one per (block, step)); every call is
   checked to be randint(4, 30) and the offsets used are saved.
 
-Patches (applied at run time; their files are never edited), fact sheet §8.3/§8.4:
+Patches (applied at run time; their files are never edited), to run their code on a CPU in float32:
 1. causal_model_s2v.py `self.freqs = ....to("cuda")` in __init__ -> kept on the CPU;
 2. `_forward_sink`'s `torch.zeros([1,5120,nf,...]).to(dtype=torch.bfloat16,...)` -> self.dim channels, model dtype;
 3. `self.norm3(x.to(torch.bfloat16))` -> `self.norm3(x)` (float32 throughout);
@@ -72,7 +72,7 @@ OUT = HERE / "liveavatar"
 WEIGHTS = HERE / "wan_s2v" / "dit_tiny_weights.safetensors"
 LA_COMMIT = "9c2c38de1715e553127b42c82cb959f756b02595"  # Alibaba-Quark/LiveAvatar HEAD in the mirror, 2026-07-26
 
-# §8.1 tiny configuration and the SDPA stand-in of the S2V DiT goldens (this folder is on sys.path when run as above).
+# The DiT goldens' tiny configuration and the SDPA stand-in of the S2V DiT goldens (this folder is on sys.path when run as above).
 # The extra causal arguments of CausalWanModel_S2V keep their defaults, as in their scripts (slide_motion_frames=False,
 # local_attn_size=-1).
 from make_wan_dit_goldens import TINY, sdpa_flash_attention as sdpa_attention  # noqa: E402

@@ -1,4 +1,4 @@
-"""Make the Wan2.2-S2V DiT goldens: the official `WanModel_S2V` at the tiny size (fact sheet §8.1), in float32.
+"""Make the Wan2.2-S2V DiT goldens: the official `WanModel_S2V` at a tiny size (TINY below), in float32.
 
     git -C $REPO archive HEAD wan | tar -x -C /tmp/wan22_dit
     OMP_NUM_THREADS=1 nice -n 19 $OFFICIAL_VENV/bin/python tests/golden/make_wan_dit_goldens.py --wan-repo /tmp/wan22_dit --official-git $REPO
@@ -17,7 +17,7 @@ Writes to tests/golden/wan_s2v/ (safetensors and JSON only):
     c    the unconditional half of CFG for b: negative-prompt context and audio * 0
     d, e b's inputs through config variants (not the release's): add_last_motion=False in "padd" mode, the same in
          "drop" mode. (zero_timestep=False cannot be run: the official block calls .item() on the int 0 it then gets.)
-The official code needs the CPU patches of fact sheet §8.4; they are applied here at run time, never in the repository.
+The official code needs a few patches to run on a CPU (see import_official); they are applied here at run time, never in the repository.
 This script documents how the goldens were made; tests never run it.
 """
 
@@ -43,7 +43,7 @@ def save_file_with_provenance(tensors, path) -> None:
 
 OUT = Path(__file__).resolve().parent / "wan_s2v"
 
-# §8.1 tiny configuration, keyword arguments of the official WanModel_S2V.__init__.
+# The tiny configuration: keyword arguments of the official WanModel_S2V.__init__.
 TINY = dict(
     cond_dim=16, audio_dim=32, num_audio_token=4, enable_adain=True, adain_mode="attn_norm", audio_inject_layers=[0, 2],
     zero_init=True, zero_timestep=True, enable_motioner=False, add_last_motion=True, enable_framepack=True,
@@ -68,7 +68,7 @@ def sdpa_flash_attention(q, k, v, q_lens=None, k_lens=None, dropout_p=0.0, softm
 
 
 def import_official(wan_repo: Path):
-    """Import WanModel_S2V from an extracted Wan2.2 tree without running the heavy package __init__s (§8.4)."""
+    """Import WanModel_S2V from an extracted Wan2.2 tree without running the heavy package __init__s (they import every pipeline and CUDA-only packages)."""
     for name, sub in [("wan", "wan"), ("wan.modules", "wan/modules"), ("wan.modules.s2v", "wan/modules/s2v")]:
         pkg = types.ModuleType(name)
         pkg.__path__ = [str(wan_repo / sub)]
@@ -87,7 +87,7 @@ def import_official(wan_repo: Path):
 
 @torch.no_grad()
 def rerandomise(model: torch.nn.Module, gen: torch.Generator) -> None:
-    """Make every parameter non-trivial (§8.1 caveat): zero_init and init_weights leave the head, cond_encoder, the
+    """Make every parameter non-trivial (a random init alone leaves some zero): zero_init and init_weights leave the head, cond_encoder, the
     injector outputs, AdaIN, the token-type embedding and all Linear biases at zero, and the norms at one."""
     for name, p in model.named_parameters():
         noise = torch.randn(p.shape, generator=gen)
@@ -147,7 +147,7 @@ def main() -> None:
     rerandomise(model, torch.Generator().manual_seed(1))
 
     gen = torch.Generator().manual_seed(2)
-    # infer_frames 16 -> (16 + 3 + 73) // 4 - 19 = 4 latent frames. A non-square latent larger than §8.1's 8x8, so
+    # infer_frames 16 -> (16 + 3 + 73) // 4 - 19 = 4 latent frames. A non-square latent larger than 8x8, so
     # that the sparse FramePack RoPE positions (linspace, truncated) and the h/w order are exercised.
     F_lat, h, w = 4, 16, 24
 
@@ -183,7 +183,7 @@ def main() -> None:
                 tensors[f"{key}.{name}"] = v.clone()  # cloned: safetensors refuses shared storage
             tensors[f"{key}.out"] = out.contiguous()
             tensors[f"{key}.drop_motion"] = torch.tensor(drop)
-        # every path is live: what zeroing one input changes (mean |delta out|), as §8.1 measured it
+        # every path is live: what zeroing one input changes (mean |delta out|), to show each input reaches the output
         ref_out = tensors["b.out"]
         b_in = cases["b"][0]
         for name in ("audio", "motion", "ref", "cond", "context", "t"):

@@ -32,7 +32,7 @@ Writes to tests/golden/wan_s2v/:
   video frames 0..3999 at fps 16; `t30_for_tw` (3001,), the official linear_interpolation output length for
   T_w = 0..3000 (-1: the official code raises, T_w < 2); `nr_t30` / `nr` the official clip count for a few T30 around multiples of 150.
 
-Patches (fact sheet §8.4), applied here at run time: stub `wan` packages so wan/__init__ does not run;
+Patches (to run the official code on a CPU), applied here at run time: stub `wan` packages so wan/__init__ does not run;
 torch.cuda.current_device patched while t5.py is imported; a stub `librosa` whose load() hands the synthetic
 waveform back at 16 kHz; the official AudioEncoder's Wav2Vec2Processor replaced by Wav2Vec2FeatureExtractor (the
 processor's audio call is the feature extractor's call; the tiny folder has no CTC vocabulary).
@@ -104,7 +104,7 @@ def stub_packages(wan_repo: Path, waves: dict):
 
 
 def import_t5():
-    # T5EncoderModel's default `device=torch.cuda.current_device()` is evaluated at import (fact sheet §8.4).
+    # T5EncoderModel's default `device=torch.cuda.current_device()` is evaluated at import, which fails without CUDA.
     real = torch.cuda.current_device
     torch.cuda.current_device = lambda: "cpu"
     try:

@@ -1,4 +1,4 @@
-"""Make the Wan VAE goldens: the official `WanVAE_` (wan/modules/vae2_1.py) at the fact sheet's tiny size (§8.2),
+"""Make the Wan VAE goldens: the official `WanVAE_` (wan/modules/vae2_1.py) at a tiny size (dim 8, see main),
 float32 on CPU, fixed seed.
 
     mkdir -p /tmp/wan22_vae && git -C $REPO archive HEAD wan | tar -x -C /tmp/wan22_vae
@@ -48,7 +48,7 @@ STD = [2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743,
 
 def import_official(wan_repo: Path):
     """Import wan.modules.vae2_1 without running wan/__init__.py (which imports every pipeline and their
-    CUDA/decord/librosa dependencies, fact sheet §8.4): stub packages whose __path__ points at the tree."""
+    CUDA/decord/librosa dependencies): stub packages whose __path__ points at the tree."""
     for name, sub in (("wan", "wan"), ("wan.modules", "wan/modules")):
         pkg = types.ModuleType(name)
         pkg.__path__ = [str(wan_repo / sub)]
