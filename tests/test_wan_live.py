@@ -145,8 +145,8 @@ def run_blocks(model, golden, seed: int, blocks: range, state: RollingState | No
     out, nbytes = [], []
     for g in blocks:
         audio = golden[f"clip{(g // 4) % 2}.block{g % 4}.audio"]  # (1, 25, C_a, 12)
-        inputs = {"audio": audio, "text": golden["input.context"], "seed": seed, "block": g, "state": state}
-        z = f.denoise({"dit": model}, inputs, ref, SAMPLING)  # (F, 16, h, w)
+        inputs = {"audio": audio, "text": golden["input.context"], "seed": seed, "block": g}
+        z = f.denoise({"dit": model}, inputs, ref, SAMPLING, state)  # (F, 16, h, w)
         f.keep(chunks[g], z, state, CHUNKING)
         assert state.take_final(chunks[g].publish_to) is not None
         out.append(z)

@@ -154,7 +154,7 @@ class Pipeline:
             # 3. Audio-to-video: sample the chunk's latents.
             publishes = chunk.publish_to > state.published  # then super-resolution runs next
             with timer("a2v"), stage(self.a2v.needs, then=self.sr.needs if publishes else self.context.needs):
-                z = self.a2v.run(inputs, ref, sampling)
+                z = self.a2v.run(inputs, ref, sampling, state)
             self.family.keep(chunk, z, state, spec.chunking)
 
             # 4. Publish what no later chunk can change: refine, decode, hand to the encoder.

@@ -188,7 +188,7 @@ def _step_rank(pipe: "Pipeline", dist_: Dist, spec, image: torch.Tensor, audio: 
                 if family.needs_sink_frame(chunk.index, state) and step != last - 1:
                     family.put_sink_frame(state, recv(last, device, group))  # rolled by the last step's rank
                 x = family.block_noise(inputs, ref, dtype) if step == 0 else recv(dist_.rank - 1, device, group)
-                x = family.denoise_step(models, inputs, ref, x, step, sampling, own_ring=True)  # (16, 3, h, w)
+                x = family.denoise_step(models, inputs, ref, x, step, sampling, state, own_ring=True)  # (16, 3, h, w)
             if dist_.rank == last:
                 z = family.block_latents(inputs, ref, x)  # (F, 16, h, w)
                 out.send(z, DECODE_RANK)
