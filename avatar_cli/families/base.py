@@ -149,7 +149,7 @@ class Family(ABC):
     decode_feeds_back: ClassVar[bool] = False
     mode: ClassVar[str] = "clip"  # the generation mode this object renders (wan-s2v has two: clip, streaming)
     # The chunk's denoising runs as separate steps on separate ranks (runtime.parallel: steps, pipeline/steps.py);
-    # such a family implements block_noise, denoise_step, block_latents and the step_* state methods.
+    # such a family also implements the StepPipeline protocol below.
     step_pipeline: ClassVar[bool] = False
     # Raised when a release of avatar changes what this family computes from the same inputs and weights: a resume
     # point written by another revision is refused (its frames and state would not continue the new ones).
@@ -227,8 +227,9 @@ class Family(ABC):
         """No later chunk reads audio for frames before `frame`: let the reader drop it."""
 
     @abstractmethod
-    def denoise(self, models: Models, inputs: Any, ref: Any, sampling: Sampling) -> torch.Tensor:
-        """Sample the chunk's latents (one per window position)."""
+    def denoise(self, models: Models, inputs: Any, ref: Any, sampling: Sampling, state: RollingState) -> torch.Tensor:
+        """Sample the chunk's latents (one per window position). `state`: the rolling state, for a family whose
+        denoising reads and writes caches of its own there (LiveAvatar's key/value rings); others ignore it."""
 
     @abstractmethod
     def keep(self, chunk: Chunk, z: torch.Tensor, state: RollingState, chunking: Any) -> None:
@@ -244,3 +245,44 @@ class Family(ABC):
         """Decode consecutive final latents (`final.z`, refined) into timeline frames [final.start, final.end),
         in order, carrying the decoder cache in `state.tensors`; hand each batch of frames (T, 3, H, W) in [-1, 1]
         to `put` as soon as it exists. Returns frames made (final.frames)."""
+
+
+class StepPipeline(Protocol):
+    """What the timestep pipeline (pipeline/steps.py) asks of a family with `step_pipeline = True`: one chunk's
+    denoising in pieces that run on separate ranks (rank 1 + s runs step s, rank 0 decodes), and the pieces of
+    the rolling state each rank holds and sends. `state` is always the rank's own rolling state, passed to the
+    steps that read or write it."""
+
+    sink_refresh_block: int  # the block whose final latents give the sink frame the others refresh with
+
+    def block_noise(self, inputs: Any, ref: Any, dtype: torch.dtype) -> torch.Tensor:
+        """The chunk's starting noise."""
+
+    def denoise_step(self, models: Models, inputs: Any, ref: Any, x: torch.Tensor, step: int, sampling: Sampling,
+                     state: RollingState, own_ring: bool = False) -> torch.Tensor:
+        """Denoising step `step` of the chunk: x -> x, reading and writing the step's caches in `state`. own_ring:
+        the state holds this step's caches alone (a step rank), not every step's."""
+
+    def block_latents(self, inputs: Any, ref: Any, x: torch.Tensor) -> torch.Tensor:
+        """The denoised x -> the chunk's latents, as `Family.denoise` returns them."""
+
+    def step_state(self, state: RollingState, step: int) -> RollingState:
+        """A step rank's own state out of a whole one (a resumed render's)."""
+
+    def step_tensor_names(self, step: int, block: int) -> list[str]:
+        """The state tensors step `step`'s rank sends the decode rank after block `block`."""
+
+    def step_tensors(self, state: RollingState, step: int, block: int) -> dict[str, torch.Tensor]:
+        """Those tensors, from the step rank's state."""
+
+    def merge_step_tensors(self, state: RollingState, per_step: list[dict[str, torch.Tensor]], block: int) -> None:
+        """The decode rank's state after block `block`, as one rank's would be, from every step rank's tensors."""
+
+    def rolled_sink_frame(self, block: int, z: torch.Tensor) -> torch.Tensor | None:
+        """Block `block`'s final latents -> the frame the other step ranks refresh their sink with, or None."""
+
+    def needs_sink_frame(self, block: int, state: RollingState) -> bool:
+        """Whether a step rank must receive the rolled sink frame before block `block`."""
+
+    def put_sink_frame(self, state: RollingState, frame: torch.Tensor) -> None:
+        """Keep a received sink frame in the step rank's state."""

@@ -126,7 +126,8 @@ class MiniFamily(Family):
         return {"audio": self.audio_features(models, audio, chunk.start, chunk.length, fps, device, dtype),
                 "text": text, "noise": noise, "cond": cond, "mask": mask}
 
-    def denoise(self, models: Models, inputs: dict, ref: dict, sampling: Sampling) -> torch.Tensor:
+    def denoise(self, models: Models, inputs: dict, ref: dict, sampling: Sampling,
+                state: RollingState) -> torch.Tensor:
         """The chunk's latents (L, C, h, w), given frames included."""
         dit, c = models["dit"], inputs
         guidance = sampling.guidance

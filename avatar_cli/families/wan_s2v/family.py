@@ -227,7 +227,8 @@ class WanS2VFamily(Family):
                 "negative": text["negative"], "seed": seed + chunk.index, "latents": chunk.length // 4,
                 "first": chunk.index == 0}
 
-    def denoise(self, models: Models, inputs: dict, ref: dict, sampling: Sampling) -> torch.Tensor:
+    def denoise(self, models: Models, inputs: dict, ref: dict, sampling: Sampling,
+                state: RollingState) -> torch.Tensor:
         """UniPC steps with CFG on the negative prompt and zeroed audio -> the clip's latents (F, 16, h, w); on
         clip 0 preceded by the reference latent, where the decode timeline starts -> (1 + F, 16, h, w)."""
         dit, c, g = models["dit"], inputs, sampling.guidance

@@ -169,11 +169,12 @@ class LiveAvatarFamily(WanS2VFamily):
     def context(self, models: Models, chunk: Chunk, audio: AudioSource, fps: float, text: dict,
                 state: RollingState, seed: int, device: torch.device, dtype: torch.dtype) -> dict:
         """The block's audio features (its own 12 frames: no audio crosses blocks in their model), its text, seed
-        and index, and the rolling state, whose caches the block's denoising reads and writes."""
+        and index. The rolling state, whose caches the block's denoising reads and writes, is passed to it."""
         return {"audio": self.clip_audio(models, audio, chunk.start, chunk.length, fps).to(device),
-                "text": text["text"], "seed": seed, "block": chunk.index, "state": state}
+                "text": text["text"], "seed": seed, "block": chunk.index}
 
-    def denoise(self, models: Models, inputs: dict, ref: dict, sampling: Sampling) -> torch.Tensor:
+    def denoise(self, models: Models, inputs: dict, ref: dict, sampling: Sampling,
+                state: RollingState) -> torch.Tensor:
         """One block: the sink prefilled (block 0) or refreshed with the rolled sink frame (block 4), then the Euler
         steps through the per-step rings -> the block's latents (3, 16, h, w); block 0's preceded by the 7 motion
         latents the decoder is primed with, where the decode timeline starts -> (10, 16, h, w). The same three
@@ -181,10 +182,9 @@ class LiveAvatarFamily(WanS2VFamily):
         dit = models["dit"]
         x = self.block_noise(inputs, ref, next(dit.parameters()).dtype)  # (16, 3, h, w)
         for step in range(sampling.steps):
-            x = self.denoise_step(models, inputs, ref, x, step, sampling)  # (16, 3, h, w)
+            x = self.denoise_step(models, inputs, ref, x, step, sampling, state)  # (16, 3, h, w)
         sp = getattr(dit, "stream", None)
         if sp is not None:  # rank 0's state holds the whole caches, for its resume point; the others keep their heads
-            state = inputs["state"]
             whole = sp.gather_caches(self._caches(state, sp.model, sampling.steps, 0, 0, x.dtype, x.device, sp),
                                      device=x.device)
             if whole is not None:
@@ -201,11 +201,11 @@ class LiveAvatarFamily(WanS2VFamily):
         return noise[:, FRAMES_PER_BLOCK * b:FRAMES_PER_BLOCK * (b + 1)].to(r.device, dtype)  # (16, 3, h, w)
 
     def denoise_step(self, models: Models, inputs: dict, ref: dict, x: torch.Tensor, step: int, sampling: Sampling,
-                     own_ring: bool = False) -> torch.Tensor:
+                     state: RollingState, own_ring: bool = False) -> torch.Tensor:
         """Denoising step `step` of the block: x (16, 3, h, w) -> (16, 3, h, w). The sink is prefilled first when the
         state's is empty (block 0) or when the rolled sink frame waits in the state (block 4). own_ring: the state
         holds this step's ring alone (a timestep-pipeline rank), not one per step."""
-        state, g = inputs["state"], inputs["block"]
+        g = inputs["block"]
         sp = getattr(models["dit"], "stream", None)  # the ranks split each block (StreamingSequenceParallel)
         dit = sp.model if sp is not None else models["dit"]
         r = ref["ref"]  # (16, 1, h, w) float32
