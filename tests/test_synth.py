@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 
 import numpy as np
 import pytest
@@ -122,10 +121,11 @@ def test_speech_has_pauses_and_energy(speech: np.ndarray) -> None:
     assert max(runs) >= 5
 
 
-def test_speech_is_fast() -> None:
-    t = time.perf_counter()
-    synth_speech(5, 60.0)
-    assert time.perf_counter() - t < 3.0  # ~0.5 s on 2 CPU cores; generous for busy machines
+def test_a_minute_of_speech_is_whole() -> None:
+    """Its speed is bench/check_speed.py's."""
+    audio = synth_speech(5, 60.0)
+    assert audio.shape == (60 * SR,) and audio.dtype == np.float32
+    assert np.isfinite(audio).all() and np.abs(audio).max() == pytest.approx(0.5, abs=1e-3)
 
 
 # --- motion -----------------------------------------------------------------------------

@@ -4,7 +4,6 @@ run on a sparse copy of the real 14B release (real headers and shapes, data regi
 import json
 import os
 import struct
-import time
 from collections import OrderedDict
 from pathlib import Path
 
@@ -150,10 +149,7 @@ def test_check_sparse_14b_release(release, given):
     disk = sum(p.stat().st_blocks * 512 for p in release.rglob("*") if p.is_file())
     size = sum(p.stat().st_size for p in release.rglob("*") if p.is_file())
     assert size > 44e9 and disk < 50e6  # the real sizes, but holes on disk
-    t0 = time.perf_counter()
-    report = check_dir(release, expected=given)
-    elapsed = time.perf_counter() - t0
-    assert elapsed < 5.0, elapsed
+    report = check_dir(release, expected=given)  # its speed: bench/check_speed.py
     assert report.layout == OFFICIAL
     dit = report.components["dit"]
     assert dit.tensors == 1260 and dit.params == DIT_PARAMS
@@ -165,7 +161,6 @@ def test_check_sparse_14b_release(release, given):
     assert report.ok, "\n".join(report.lines())
     assert report.components["wav2vec2"].expected_from is None  # listed, not compared
     assert "16,295,755,609 params" in report.lines()[1]
-    print(f"\ncheck_dir on the sparse 14B directory: {elapsed:.3f} s")
 
 
 def test_check_with_our_modules(release):
@@ -173,15 +168,11 @@ def test_check_with_our_modules(release):
     T5 encoder through its adapter, the VAE from its params. They must accept the real release as it is."""
     for mod in ("dit", "text", "vae"):
         pytest.importorskip(f"avatar_cli.families.wan_s2v.{mod}")
-    t0 = time.perf_counter()
-    report = check_dir(release)
-    elapsed = time.perf_counter() - t0
+    report = check_dir(release)  # its speed: bench/check_speed.py
     assert report.ok, "\n".join(report.lines())
     for name in ("dit", "t5", "vae"):
         assert report.components[name].expected_from is not None, name
     assert report.components["dit"].expected_from.startswith("WanS2VDiT")
-    assert elapsed < 5.0, elapsed
-    print(f"\ncheck_dir with expected lists from our modules on meta: {elapsed:.3f} s")
 
 
 def test_dit_expected_follows_config(tmp_path, release):
@@ -312,17 +303,15 @@ def rchar(io: Path) -> int:
     return int(next(ln for ln in io.read_text().splitlines() if ln.startswith("rchar")).split()[1])
 
 
-def test_pth_header_is_fast_on_large_sparse_file(tmp_path):
-    """11.4 GB T5 .pth (sparse): the mmap'd load reads only the pickle and the zip directory."""
+def test_pth_header_reads_little_of_a_large_sparse_file(tmp_path):
+    """11.4 GB T5 .pth (sparse): the mmap'd load reads only the pickle and the zip directory (its speed:
+    bench/check_speed.py)."""
     path = tmp_path / "t5.pth"
     write_sparse_pth(path, key_list("t5"), torch.bfloat16)
     assert path.stat().st_size > 11e9
     io = Path("/proc/self/io")
     read_before = rchar(io)
-    t0 = time.perf_counter()
     infos = read_pth_header(path)
-    elapsed = time.perf_counter() - t0
-    assert elapsed < 1.0, elapsed
     if io.exists():  # bytes this process read through read(): ~1 MB (pickle + zip directory), not 11 GB
         assert rchar(io) - read_before < 50e6
     assert len(infos) == 242 and sum(i.numel for i in infos.values()) == T5_PARAMS
@@ -401,21 +390,15 @@ def test_vae_expected_from_module_matches_release():
 
 
 def test_models_check_cli_on_the_sparse_14b_release(release):
-    """`avatar models check` itself (headers only): the real tensor count and parameters, in under 5 s."""
-    import subprocess
-    import sys
-
-    t0 = time.perf_counter()
-    result = subprocess.run([sys.executable, "-m", "avatar_cli", "models", "check", str(release), "--json"],
-                            capture_output=True, text=True, timeout=120)
-    elapsed = time.perf_counter() - t0  # includes starting Python and importing torch
+    """`avatar models check` itself (headers only): the real tensor count and parameters (its time in a fresh
+    process: bench/check_speed.py)."""
+    result = avatar("models", "check", str(release), "--json")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout.strip().splitlines()[-1])
     dit = report["components"]["dit"]
     assert (dit["tensors"], dit["params"], dit["checked"]) == (1260, DIT_PARAMS, True)
     assert report["components"]["vae"]["params"] == VAE_PARAMS and report["components"]["t5"]["params"] == T5_PARAMS
-    assert report["ok"] and elapsed < 20, elapsed
-    print(f"\navatar models check on the sparse 14B directory: {elapsed:.2f} s (process start included)")
+    assert report["ok"]
 
 
 def test_models_check_cli_names_a_mis_shaped_tensor(tmp_path):
@@ -427,7 +410,7 @@ def test_models_check_cli_names_a_mis_shaped_tensor(tmp_path):
     vae["decoder.head.2.weight"] = torch.zeros(3, 8, 3, 3, 2)  # one kernel dimension wrong
     del vae["conv2.bias"]
     torch.save(vae, d / "Wan2.1_VAE.pth")
-    result = avatar("models", "check", str(d), "--json", timeout=120)
+    result = avatar("models", "check", str(d), "--json")
     assert result.returncode == 2
     report = json.loads(result.stdout.strip().splitlines()[0])
     vae_report = report["components"]["vae"]
