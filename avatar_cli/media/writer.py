@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
+from typing import Protocol
 
 import av
 import numpy as np
@@ -34,7 +35,7 @@ from avatar_cli.errors import InputError, RenderError
 from avatar_cli.media._files import reason
 from avatar_cli.media.audio import iter_audio_chunks
 
-__all__ = ["resolve_codec", "Mp4Writer", "WriterStats", "video_rate", "AAC_RATES", "AAC_PRIMING"]
+__all__ = ["resolve_codec", "Mp4Writer", "AudioFeed", "WriterStats", "video_rate", "AAC_RATES", "AAC_PRIMING"]
 
 FRAGMENTED_MP4 = {"movflags": "frag_keyframe+empty_moov+default_base_moof", "flush_packets": "1"}
 AAC_RATES = (96000, 88200, 64000, 48000, 44100, 32000, 24000, 22050, 16000, 12000, 11025, 8000)
@@ -109,10 +110,22 @@ def _default_threads() -> int:
     return 1 if cpus <= 4 else min(8, cpus // 4)
 
 
+class AudioFeed(Protocol):
+    """Where a writer takes its audio track from, in exact sample counts at `rate`, as video frames are written."""
+
+    rate: int
+    channels: int
+
+    def take(self, n: int) -> np.ndarray: ...  # float32 (channels, n): the next n samples, zero-padded past the end
+
+    def close(self) -> None: ...
+
+
 class _AudioFeed:
     """Input audio handed out in exact sample counts, zero-padded once the file runs out."""
 
     def __init__(self, path: str, rate: int, layout: str) -> None:
+        self.rate = rate
         self.channels = 1 if layout == "mono" else 2
         self._chunks = iter_audio_chunks(path, rate, layout)
         self._pending: list[np.ndarray] = []  # (C, n) pieces, oldest first
@@ -161,7 +174,7 @@ class Mp4Writer:
         height: int,
         fps: float,
         total_frames: int,
-        audio_path: str | Path | None,
+        audio_path: str | Path | AudioFeed | None,
         codec: str = "libx264",
         crf: int = 20,
         preset: str = "veryfast",
@@ -183,10 +196,7 @@ class Mp4Writer:
         self.rate = video_rate(fps)
         self.codec = codec
 
-        try:
-            self._container = av.open(self.path, "w", format="mp4", options=dict(FRAGMENTED_MP4))
-        except (av.error.FFmpegError, OSError) as exc:
-            raise InputError(f"output: {self.path}: cannot create the file ({reason(exc)})") from None
+        self._container = self._open_container()
         self._feed: _AudioFeed | None = None
         # Resuming: frames [0, resume_frames) are copied, still compressed, from the interrupted file.
         self._resume_from = str(resume_from) if resume_from is not None else None
@@ -206,11 +216,7 @@ class Mp4Writer:
                 self._container.close()
             except Exception:
                 pass  # the original error is the one to report
-            if isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
-                raise InputError(f"output: {self.path}: cannot write ({reason(exc)})") from None
-            if isinstance(exc, av.error.FFmpegError):
-                raise RenderError(f"video: {self.path}: cannot start the {codec} encoder ({reason(exc)})") from None
-            raise
+            raise self._start_failed(exc, codec) from None
 
         self._queue: queue.Queue[object] = queue.Queue(maxsize=max(1, int(queue_frames)))
         self._abort = threading.Event()
@@ -227,6 +233,25 @@ class Mp4Writer:
 
     # ---- setup -------------------------------------------------------------------------
 
+    # x264's tune: None for files (best quality per bit); live outputs set "zerolatency" (no lookahead, no frame
+    # threading delay), so each frame's packet leaves the encoder as soon as the frame goes in.
+    x264_tune: str | None = None
+
+    def _open_container(self) -> av.container.OutputContainer:
+        """The output container; subclasses open other targets (live streams) the same way."""
+        try:
+            return av.open(self.path, "w", format="mp4", options=dict(FRAGMENTED_MP4))
+        except (av.error.FFmpegError, OSError) as exc:
+            raise InputError(f"output: {self.path}: cannot create the file ({reason(exc)})") from None
+
+    def _start_failed(self, exc: BaseException, codec: str) -> BaseException:
+        """The error to raise when opening the output or its encoders failed (the header is written at start)."""
+        if isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
+            return InputError(f"output: {self.path}: cannot write ({reason(exc)})")
+        if isinstance(exc, av.error.FFmpegError):
+            return RenderError(f"video: {self.path}: cannot start the {codec} encoder ({reason(exc)})")
+        return exc
+
     def _add_video(self, codec: str, crf: int, preset: str, threads: int | None) -> av.VideoStream:
         gop = max(1, round(float(self.rate)))  # a keyframe (and a fragment) every second
         try:
@@ -241,13 +266,17 @@ class Mp4Writer:
             # bf=0 keeps both streams at t=0 (no edit list in fragmented MP4); scenecut off so
             # keyframes, and thus fragments, fall exactly every `gop` frames.
             stream.options = {"crf": str(crf), "preset": preset, "g": str(gop), "keyint_min": str(gop),
-                              "sc_threshold": "0", "bf": "0"}
+                              "sc_threshold": "0", "bf": "0", **({"tune": self.x264_tune} if self.x264_tune else {})}
             ctx.thread_count = _default_threads() if threads is None else int(threads)
         else:  # h264_nvenc: constant-quality VBR, the closest thing to crf
             stream.options = {"preset": "p4", "rc": "vbr", "cq": str(crf), "g": str(gop), "bf": "0"}
         return stream
 
-    def _add_audio(self, audio_path: str | Path) -> tuple[av.AudioStream, _AudioFeed]:
+    def _add_audio(self, audio_path: str | Path | AudioFeed) -> tuple[av.AudioStream, AudioFeed]:
+        if not isinstance(audio_path, (str, Path)):  # samples handed over as they arrive (a live source)
+            feed = audio_path
+            layout = "mono" if feed.channels == 1 else "stereo"
+            return self._audio_stream(feed.rate, layout), feed
         try:
             with av.open(str(audio_path)) as probe:
                 src = probe.streams.audio[0]
@@ -257,12 +286,14 @@ class Mp4Writer:
             raise InputError(f"audio: {audio_path}: cannot open ({detail})") from None
         rate = native_rate if native_rate in AAC_RATES else 48000
         layout = "mono" if channels == 1 else "stereo"  # >2 channels: FFmpeg's stereo downmix
+        return self._audio_stream(rate, layout), _AudioFeed(str(audio_path), rate, layout)
+
+    def _audio_stream(self, rate: int, layout: str) -> av.AudioStream:
         stream = self._container.add_stream("aac", rate=rate, layout=layout)
         # 64 kb/s per channel is transparent for speech; AAC allows at most 6 bits/sample/channel.
         stream.bit_rate = (1 if layout == "mono" else 2) * min(64000, 6 * rate)
         stream.time_base = Fraction(1, rate)
-        feed = _AudioFeed(str(audio_path), rate, layout)
-        return stream, feed
+        return stream
 
     # ---- producer side -----------------------------------------------------------------
 

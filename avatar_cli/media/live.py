@@ -1,0 +1,135 @@
+"""Live outputs: the render's H.264/AAC stream, muxed by PyAV while it is generated, to somewhere other than a file.
+
+    -o -                    MPEG-TS on stdout, for `| ffplay -` or `| ffmpeg ...`
+    -o rtmp://host/app/key  FLV to an RTMP server (also rtmps://)
+    -o out/live.m3u8        HLS: ~1 s segments beside the playlist, which is rewritten as each segment completes and
+                            ends with EXT-X-ENDLIST when the session ends
+    -o udp://host:port      MPEG-TS over UDP (also tcp://)
+
+Everything goes through the FFmpeg inside PyAV's wheel (its muxers and protocols): no ffmpeg binary at run time.
+
+The encoder is the file writer's (`Mp4Writer`: same colour settings, same AAC priming rule, same back-pressure),
+with the settings a live stream needs: a keyframe every second (where HLS cuts segments and where a viewer who joins
+can start), no B-frames, x264's zerolatency tune (no lookahead: a frame's packet leaves as the frame goes in) and a
+constant frame rate. With `realtime`, frames are muxed no earlier than their time on the stream's clock (as
+`ffmpeg -re`), so a server gets a stream rather than a burst; a renderer that runs ahead blocks on the writer's queue
+instead of piling frames up.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import BinaryIO
+from urllib.parse import urlsplit
+
+import av
+
+from avatar_cli.errors import InputError
+from avatar_cli.media._files import reason
+from avatar_cli.media.writer import Mp4Writer
+
+__all__ = ["LiveTarget", "live_target", "LiveWriter", "HLS_SEGMENT_S", "HLS_LIST_SIZE"]
+
+HLS_SEGMENT_S = 1  # seconds per segment: a keyframe every second lets the muxer cut exactly there
+HLS_LIST_SIZE = 6  # segments a rolling playlist names (players start ~3 segments from its live edge)
+# URL schemes that FFmpeg opens for writing and the muxer each one takes.
+_UNREACHABLE = {errno.ECONNREFUSED, errno.ECONNRESET, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ETIMEDOUT,
+                errno.EIO, errno.EPIPE, errno.ENOENT, errno.EACCES}
+STREAM_SCHEMES = {"rtmp": "flv", "rtmps": "flv", "udp": "mpegts", "tcp": "mpegts"}
+
+
+@dataclass(frozen=True)
+class LiveTarget:
+    """Where a live stream goes: `url` as FFmpeg opens it ("-" is stdout), its muxer and the muxer's options."""
+
+    url: str
+    format: str
+    options: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def kind(self) -> str:
+        return "stdout" if self.url == "-" else ("hls" if self.format == "hls" else urlsplit(self.url).scheme)
+
+
+def live_target(output: str, *, keep_segments: bool = False) -> LiveTarget | None:
+    """The live target `output` names, or None when it names a file (an MP4 render).
+
+    HLS keeps the newest HLS_LIST_SIZE segments on disk and in the playlist, deleting older ones, so a session of
+    any length holds bounded disk; `keep_segments` keeps every segment and lists them all (an "event" playlist a
+    late viewer can seek back in, which grows with the session)."""
+    if output == "-":
+        return LiveTarget("-", "mpegts", {"flush_packets": "1"})
+    scheme = urlsplit(output).scheme.lower()
+    if scheme in STREAM_SCHEMES:
+        fmt = STREAM_SCHEMES[scheme]
+        options = {"flush_packets": "1"}
+        if fmt == "flv":
+            options["flvflags"] = "no_duration_filesize"  # a live FLV has no length to write back at the end
+        if scheme == "udp":
+            options["pkt_size"] = "1316"  # 7 TS packets: one UDP datagram under a 1500-byte MTU
+        return LiveTarget(output, fmt, options)
+    if "://" in output:
+        raise InputError(f"output: {output}: not a live target this build can write "
+                         f"(use -, rtmp://, rtmps://, udp://, tcp://, a .m3u8 path, or an .mp4 file)")
+    if output.lower().endswith(".m3u8"):
+        folder = Path(output).parent
+        options = {"hls_time": str(HLS_SEGMENT_S), "hls_segment_type": "mpegts",
+                   "hls_segment_filename": str(folder / (Path(output).stem + "_%05d.ts"))}
+        if keep_segments:
+            options.update(hls_list_size="0", hls_playlist_type="event")
+        else:
+            options.update(hls_list_size=str(HLS_LIST_SIZE), hls_flags="delete_segments")
+        return LiveTarget(output, "hls", options)
+    return None
+
+
+class LiveWriter(Mp4Writer):
+    """The file writer's encoder and queue, muxing to a live target instead of a fragmented MP4.
+
+    `audio_path` is usually an AudioFeed the session fills as audio arrives (silence where it stalled); a file path
+    works too. `stdout` is the binary stream `-` writes to (sys.stdout.buffer unless given). `total_frames` bounds
+    nothing for a live session of unknown length: leave it at its default.
+    """
+
+    x264_tune = "zerolatency"
+
+    def __init__(self, target: LiveTarget, *, realtime: bool = False, stdout: BinaryIO | None = None,
+                 total_frames: int = 2**62, preset: str = "veryfast", **kw) -> None:
+        self.target = target
+        self.realtime = realtime
+        self._stdout = stdout
+        self._clock0: float | None = None  # wall time of frame 0 on the stream's clock
+        super().__init__(target.url, total_frames=total_frames, preset=preset, **kw)
+
+    def _open_container(self) -> av.container.OutputContainer:
+        t = self.target
+        try:
+            if t.url == "-":
+                out = self._stdout if self._stdout is not None else os.fdopen(os.dup(1), "wb", buffering=0)
+                return av.open(out, "w", format=t.format, options=dict(t.options))
+            if t.format == "hls":
+                Path(t.url).parent.mkdir(parents=True, exist_ok=True)
+            return av.open(t.url, "w", format=t.format, options=dict(t.options), timeout=(10.0, 30.0))
+        except (av.error.FFmpegError, OSError) as exc:
+            raise InputError(f"output: {t.url}: cannot open the {t.kind} output ({reason(exc)})") from None
+
+    def _start_failed(self, exc: BaseException, codec: str) -> BaseException:
+        # Network targets connect when the header is written: a refused or unreachable URL is a bad output, not a
+        # failed encoder.
+        if isinstance(exc, OSError) and exc.errno in _UNREACHABLE and self.target.kind not in ("stdout", "hls"):
+            return InputError(f"output: {self.target.url}: cannot open the {self.target.kind} output ({reason(exc)})")
+        return super()._start_failed(exc, codec)
+
+    def _encode_frame(self, rgb) -> None:
+        if self.realtime:
+            now = time.monotonic()
+            if self._clock0 is None:
+                self._clock0 = now
+            due = self._clock0 + float(self._frames_written / self.rate)
+            if due > now:
+                time.sleep(due - now)
+        super()._encode_frame(rgb)
