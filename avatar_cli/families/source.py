@@ -29,7 +29,8 @@ class FamilySpec:
     sizes: the sizes `models init --size` writes, the first the default.
     family: (config, mode) -> the Family object that renders in that mode.
     recognises: whether a directory is this family's (cheap: file names, a small JSON file).
-    read: a directory -> its config (the family's own description; it has a `size`), consistency checked.
+    read: a directory -> its config, consistency checked: the family's own description, with a `size` (named in
+      `avatar models`) and `to_json()` (the resume fingerprint hashes it).
     check: a strict name/shape check of every checkpoint of a source, reading headers only.
     load: (source, components to skip) -> the loaded Modules (a source without a path: a seeded random init).
     init: (directory, size, seed) -> the config of the random model directory it wrote there.
