@@ -23,10 +23,10 @@ from avatar_cli.media.writer import Mp4Writer, resolve_codec
 from avatar_cli.modules.module import Module
 from avatar_cli.families.registry import ModelSource, check_model, load_modules, resolve_model
 from avatar_cli.pipeline import checkpoint as ckpt
-from avatar_cli.pipeline import decode_worker, text_cache
-from avatar_cli.pipeline.decode_worker import DecodeWorker
+from avatar_cli.pipeline import text_cache
 from avatar_cli.pipeline.fingerprint import describe_change, job_fingerprint
-from avatar_cli.pipeline.run import ChunkDone, Pipeline, ResumeFrom, Stretch
+from avatar_cli.pipeline.events import ChunkDone, ResumeFrom, Stretch
+from avatar_cli.pipeline.run import Pipeline
 from avatar_cli.pipeline.schedule import choose_transitions, num_frames
 from avatar_cli.pipeline.steps import check_family, choose_parallel, rank_skips
 from avatar_cli.report import Reporter, peak_rss_mb
@@ -36,6 +36,9 @@ from avatar_cli.runtime.numa import bind_to_gpu_node
 from avatar_cli.runtime.offload import Transfer
 from avatar_cli.runtime.placement import Placement, place
 from avatar_cli.spec import Job
+from avatar_cli.stages import decode_worker
+from avatar_cli.stages.decode_worker import DecodeWorker
+from avatar_cli.stages.publish import Publisher
 
 # Bits per pixel that H.264 at a given crf rarely exceeds on this content; only sizes the disk check.
 _BPP_AT_CRF20 = 0.3
@@ -353,7 +356,9 @@ def _render_locked(p: Prepared, reporter: Reporter, models: ModelCache | None, r
     chunks = pipeline.schedule(spec, frames)
 
     first_put = resume_from.state.published if resume_from else 0
-    writer: Mp4Writer | DecodeWorker | None = None  # ranks other than 0 compute, but write (and decode) nothing
+    # Ranks other than 0 compute, but write nothing (and decode only what the family's later chunks need).
+    out: Publisher = pipeline.publish_to(None, p.size)
+    worker: DecodeWorker | None = None
     if main:
         args = dict(width=p.size[0], height=p.size[1], fps=spec.video.fps, total_frames=frames,
                     audio_path=str(p.job.audio), codec=resolve_codec(spec.video.codec.value, str(runtime.device)),
@@ -364,10 +369,10 @@ def _render_locked(p: Prepared, reporter: Reporter, models: ModelCache | None, r
             decode = "inline"
             reporter.info("decode: inline (the timestep pipeline's rank 0 is its decode process)")
         if decode == "worker":  # it decodes and owns the MP4 writer; its startup overlaps the first chunk
-            writer = DecodeWorker(p.model, runtime, dist.world_size, str(partial), args, p.size)
-            reporter.info(f"decode: worker ({why}), pid {writer.pid} on {writer.device}")
+            out = worker = DecodeWorker(p.model, runtime, dist.world_size, str(partial), args, p.size)
+            reporter.info(f"decode: worker ({why}), pid {worker.pid} on {worker.device}")
         else:
-            writer = Mp4Writer(partial, **args)
+            out = pipeline.publish_to(Mp4Writer(partial, **args), p.size)
             if spec.runtime.decode.value == "auto":
                 reporter.info(f"decode: inline ({why})")
     saver = ckpt.CheckpointWriter(partial, checkpoint)
@@ -401,9 +406,9 @@ def _render_locked(p: Prepared, reporter: Reporter, models: ModelCache | None, r
 
     try:
         t_render = time.perf_counter()
-        stats = pipeline.run(spec, image, reader, frames, writer, p.size, on_chunk, on_stretch, resume_from)
+        stats = pipeline.run(spec, image, reader, frames, out, on_chunk, on_stretch, resume_from)
         if main:
-            writer.close()
+            out.close()
         gen_s = time.perf_counter() - t_render
     except BaseException as e:
         # Keep what a rerun can continue from: the fragmented MP4 and its last valid checkpoint. Before the
@@ -411,7 +416,7 @@ def _render_locked(p: Prepared, reporter: Reporter, models: ModelCache | None, r
         # Nothing ever appears at the output path.
         if not main:
             raise
-        writer.abort()
+        out.abort()
         kept = ckpt.resumable(partial, checkpoint, spec.video.fps)
         if not kept:
             ckpt.discard_partial(partial)
@@ -441,7 +446,7 @@ def _render_locked(p: Prepared, reporter: Reporter, models: ModelCache | None, r
         "dtype": dtype_name(runtime.dtype), "dtype_reason": runtime.dtype_reason,
         "cpu_capability": cpu_info().capability,
         "transitions": spec.chunking.transitions,
-        **({"decode_worker_peak_rss_mb": writer.peak_rss_mb} if isinstance(writer, DecodeWorker) else {}),
+        **({"decode_worker_peak_rss_mb": worker.peak_rss_mb} if worker is not None else {}),
     }
 
 

@@ -102,7 +102,7 @@ def stage_flops(audio: Path, overrides: list[str]) -> dict[str, int]:
     reader = AudioWindowReader(p.job.audio, sample_rate=p.model.config.audio.sample_rate, info=p.audio)
     try:
         stats = pipeline.run(p.job.spec, fit_square(p.image, p.model.config.image_size), reader, p.frames,
-                             NullSink(), p.size)
+                             pipeline.publish_to(NullSink(), p.size))
     finally:
         reader.close()
     return stats.flops

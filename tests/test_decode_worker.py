@@ -1,4 +1,4 @@
-"""runtime.decode=worker (pipeline/decode_worker.py): the same frames as inline, a killed worker stops the render and
+"""runtime.decode=worker (stages/decode_worker.py): the same frames as inline, a killed worker stops the render and
 a rerun resumes to the same digest, an error inside the worker comes back named, no worker outlives its render."""
 
 import errno
@@ -18,7 +18,7 @@ from avatar_cli.families.mini.family import MiniFamily
 from avatar_cli.families.wan_s2v.family import WanS2VFamily
 from avatar_cli.families.wan_s2v.live import LiveAvatarFamily
 from avatar_cli.pipeline import checkpoint as ckpt
-from avatar_cli.pipeline import decode_worker as dw
+from avatar_cli.stages import decode_worker as dw
 from avatar_cli.report import QuietReporter
 from avatar_cli.runtime.device import Runtime
 from avatar_cli.spec import load_job

@@ -26,16 +26,22 @@ that much and no further, which bounds the memory the copies in flight take. Rec
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from avatar_cli.families.base import AudioSource, Family, Final, RollingState, Sampling
+from avatar_cli.families.base import Family, Final, RollingState, Sampling
+from avatar_cli.media.source import AudioSource
+from avatar_cli.pipeline.events import ChunkDone, RenderStats, ResumeFrom, Stretch
 from avatar_cli.runtime.distributed import Dist
-
-if TYPE_CHECKING:
-    from avatar_cli.pipeline.run import ChunkDone, Pipeline, RenderStats, ResumeFrom, Stretch
+from avatar_cli.runtime.placement import Placement
+from avatar_cli.stages.a2v import AudioToVideo
+from avatar_cli.stages.base import StageTimer
+from avatar_cli.stages.context import ContextGen, PromptEncode
+from avatar_cli.stages.publish import Publisher
+from avatar_cli.stages.reference import ReferenceEncode
+from avatar_cli.stages.sr import SuperResolve
 
 PENDING = 2  # blocks a rank's sends may have in flight
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64)
@@ -141,50 +147,64 @@ def rank_skips(family: Family, rank: int) -> set[str]:
     return set(family.components) - keep
 
 
-def run_steps(pipe: "Pipeline", dist_: Dist, spec, image: torch.Tensor, audio: AudioSource, chunks: list,
-              sink, size: tuple[int, int], on_chunk: Callable[["ChunkDone"], None],
-              on_stretch: Callable[["Stretch"], None], resume: "ResumeFrom | None", timer, t0: float) -> "RenderStats":
-    """The timestep pipeline's part of Pipeline.run on this rank (module docstring)."""
-    from avatar_cli.pipeline.run import RenderStats
+@dataclass
+class StepStages:
+    """The stages the timestep pipeline runs: a step rank the first four, the decode rank super-resolution (and
+    the Publisher it is given)."""
 
+    reference: ReferenceEncode
+    prompt: PromptEncode
+    context: ContextGen
+    a2v: AudioToVideo
+    sr: SuperResolve
+
+
+def run_steps(stages: StepStages, placement: Placement, dist_: Dist, spec, image: torch.Tensor, audio: AudioSource,
+              chunks: list, out: Publisher, on_chunk: Callable[[ChunkDone], None],
+              on_stretch: Callable[[Stretch], None], resume: ResumeFrom | None, timer: StageTimer,
+              t0: float) -> RenderStats:
+    """The timestep pipeline's part of Pipeline.run on this rank (module docstring): its stages, placed by
+    `placement`; rank 0 publishes through `out`."""
     s = spec.sampling
     sampling = Sampling(s.steps, s.guidance, s.shift)
     first = resume.next_chunk if resume else 0
     state = resume.state if resume else RollingState()
     if dist_.rank == DECODE_RANK:
-        ttff = _decode_rank(pipe, dist_, spec, chunks, first, state, sink, size, on_chunk, on_stretch, timer, t0)
+        ttff = _decode_rank(stages, placement, dist_, spec, chunks, first, state, out, on_chunk, on_stretch, timer,
+                            t0)
     else:
-        _step_rank(pipe, dist_, spec, image, audio, chunks, first, state, sampling, timer)
+        _step_rank(stages, placement, dist_, spec, image, audio, chunks, first, state, sampling, timer)
         ttff = None
     return RenderStats(frames=state.published if dist_.rank == DECODE_RANK else chunks[-1].publish_to,
                        wall_s=time.perf_counter() - t0, ttff_s=ttff or 0.0,
                        compute_s=dict(timer.seconds))
 
 
-def _step_rank(pipe: "Pipeline", dist_: Dist, spec, image: torch.Tensor, audio: AudioSource, chunks: list,
-               first: int, state: RollingState, sampling: Sampling, timer) -> None:
-    family, group, fps = pipe.family, dist_.group, spec.video.fps
+def _step_rank(stages: StepStages, placement: Placement, dist_: Dist, spec, image: torch.Tensor,
+               audio: AudioSource, chunks: list, first: int, state: RollingState, sampling: Sampling,
+               timer: StageTimer) -> None:
+    family, group, fps = stages.a2v.family, dist_.group, spec.video.fps
     step = step_of(dist_.rank)
     last = dist_.world_size - 1
-    device = pipe.runtime.device
-    models = pipe.a2v.models
+    device = stages.a2v.runtime.device
+    models = stages.a2v.models
     state = family.step_state(state, step)  # this step's ring only (a resumed state holds every step's)
     out = Outbox(group)
-    stage = pipe.placement.stage
+    stage = placement.stage
     dtype = next(models["dit"].parameters()).dtype
     if first < len(chunks):
-        pipe.context.release_before(audio, chunks[first].start - 1, fps)
-    with timer("reference"), stage(pipe.reference.needs):
-        ref = pipe.reference.run(image)
-    with timer("context"), stage(pipe.prompt.needs_for(spec.prompt)):
-        text = pipe.prompt.run(spec.prompt)
+        stages.context.release_before(audio, chunks[first].start - 1, fps)
+    with timer("reference"), stage(stages.reference.needs):
+        ref = stages.reference.run(image)
+    with timer("context"), stage(stages.prompt.needs_for(spec.prompt)):
+        text = stages.prompt.run(spec.prompt)
     try:
         for i in range(first, len(chunks)):
             chunk = chunks[i]
-            with timer("context"), stage(pipe.context.needs):
-                inputs = pipe.context.run(chunk, audio, fps, text, state, spec.seed)
-                pipe.context.release_before(audio, chunk.start - 1, fps)
-            with timer("a2v"), stage(pipe.a2v.needs):
+            with timer("context"), stage(stages.context.needs):
+                inputs = stages.context.run(chunk, audio, fps, text, state, spec.seed)
+                stages.context.release_before(audio, chunk.start - 1, fps)
+            with timer("a2v"), stage(stages.a2v.needs):
                 if family.needs_sink_frame(chunk.index, state) and step != last - 1:
                     family.put_sink_frame(state, recv(last, device, group))  # rolled by the last step's rank
                 x = family.block_noise(inputs, ref, dtype) if step == 0 else recv(dist_.rank - 1, device, group)
@@ -206,14 +226,12 @@ def _step_rank(pipe: "Pipeline", dist_: Dist, spec, image: torch.Tensor, audio: 
         out.flush()
 
 
-def _decode_rank(pipe: "Pipeline", dist_: Dist, spec, chunks: list, first: int, state: RollingState, sink,
-                 size: tuple[int, int], on_chunk, on_stretch, timer, t0: float) -> float | None:
-    from avatar_cli.pipeline.run import ChunkDone, HashingSink, Stretch
-
-    family, group, device = pipe.family, dist_.group, pipe.runtime.device
+def _decode_rank(stages: StepStages, placement: Placement, dist_: Dist, spec, chunks: list, first: int,
+                 state: RollingState, out: Publisher, on_chunk: Callable[[ChunkDone], None],
+                 on_stretch: Callable[[Stretch], None], timer: StageTimer, t0: float) -> float | None:
+    family, group, device = stages.sr.family, dist_.group, stages.sr.runtime.device
     steps = dist_.world_size - 1
-    ttff = None
-    stage = pipe.placement.stage
+    stage = placement.stage
     for i in range(first, len(chunks)):
         chunk = chunks[i]
         z = recv(dist_.world_size - 1, device, group)  # (F, 16, h, w) the block's final latents
@@ -223,14 +241,13 @@ def _decode_rank(pipe: "Pipeline", dist_: Dist, spec, chunks: list, first: int, 
         family.merge_step_tensors(state, per_step, chunk.index)
         final = state.take_final(chunk.publish_to)
         if final is not None:
-            with timer("sr"), stage(pipe.sr.needs):
-                final = Final(final.start, final.end, pipe.sr.run(final.z, None))
-            hashing = HashingSink(sink)
-            with timer("decode"), stage(pipe.publish.needs):
-                n = pipe.publish.run(final, state, hashing, size)
-            state.published += n
-            if ttff is None:
-                ttff = time.perf_counter() - t0
-            on_stretch(Stretch(i + 1, state.published - n, state.published, hashing.hash.hexdigest(), state))
+            with timer("sr"), stage(stages.sr.needs):
+                final = Final(final.start, final.end, stages.sr.run(final.z, None))
+            with timer(out.step or "decode"), stage(out.needs):
+                stretches = out.publish(final, i + 1, state)
+            for s in stretches:
+                on_stretch(s)
         on_chunk(ChunkDone(chunk, time.perf_counter() - t0, state.published))
-    return ttff
+    for s in out.finish():
+        on_stretch(s)
+    return out.first_put - t0 if out.first_put is not None else None

@@ -1,12 +1,15 @@
 """runtime.decode=worker: the VAE decode and the MP4 encoder in a process of their own, fed by a bounded queue.
 
+`DecodeWorker` is the render process's side: a Publisher (stages/publish.py), as the inline decode is, so the
+chunk loop hands it final latents without knowing where they are decoded.
+
 The render process hands each published stretch (its latents after super-resolution) to the worker through one
 of DEPTH preallocated shared-memory slots and goes on with the next chunk; it blocks only when every slot is still
 in flight, so the queue's depth, not the video's length, bounds the memory the handoff holds. The worker loads only
 the decode step's components (`family.needs["decode"]`), keeps the decoder's causal cache (the rolling-state
 tensors `family.is_decode_state` names) from stretch to stretch, decodes, writes the frames to the MP4, hashes them
-as the inline HashingSink does, and acknowledges each stretch with its digest and a snapshot of the decoder cache
-(in the slot's own shared-memory buffer). The render process saves a stretch's resume point only on its
+as the inline decode does (media/sink.py HashingSink), and acknowledges each stretch with its digest and a snapshot
+of the decoder cache (in the slot's own shared-memory buffer). The render process saves a stretch's resume point only on its
 acknowledgment: its own rolling state as it was when it sent the stretch (kept until then: at most DEPTH snapshots),
 plus the worker's cache. The checkpoint is the inline one, so a render resumes in either mode.
 
@@ -39,7 +42,14 @@ import torch.multiprocessing as mp
 
 from avatar_cli.errors import AvatarError, InputError, RenderError
 from avatar_cli.families.base import Family, Final, ParallelPlan, RollingState
+from avatar_cli.families.registry import load_modules
+from avatar_cli.media.sink import HashingSink
+from avatar_cli.media.writer import Mp4Writer
+from avatar_cli.pipeline.events import Stretch
 from avatar_cli.runtime.device import Runtime
+from avatar_cli.runtime.distributed import Dist
+from avatar_cli.runtime.placement import place
+from avatar_cli.stages.publish import DecodePublish
 
 DEPTH = 2  # stretches in flight: see the module docstring
 _ALIGN = 64  # byte offset of each tensor in a slot: any dtype's view of the flat buffer is then aligned
@@ -127,17 +137,6 @@ def unpack(buf: torch.Tensor, layout: Layout) -> dict[str, torch.Tensor]:
 # --- the render process's side ------------------------------------------------------------------------------------
 
 @dataclass
-class Acked:
-    """A stretch the worker decoded, wrote and hashed, with the rolling state to resume after it."""
-
-    next_chunk: int
-    start: int
-    end: int
-    digest: str
-    state: RollingState
-
-
-@dataclass
 class _Sent:
     seq: int
     slot: int
@@ -151,7 +150,14 @@ class _Sent:
 
 class DecodeWorker:
     """The render process's handle on the worker: `submit` stretches in timeline order, `drain` at the end, then
-    `close` (finish the MP4) or `abort` (after a failure: keep what was encoded). Rank 0 alone makes one."""
+    `close` (finish the MP4) or `abort` (after a failure: keep what was encoded). Rank 0 alone makes one.
+
+    As a Publisher (stages/publish.py): `publish` submits, `finish` drains; the decode runs in the worker, so
+    nothing is brought onto this process's device for it (`needs` is empty) and the loop does not time it
+    (`step` None): `seconds` gives the worker's decode seconds and this process's seconds blocked on it."""
+
+    needs: tuple[str, ...] = ()
+    step: str | None = None
 
     def __init__(self, source: Any, runtime: Runtime, world_size: int, writer_path: str, writer_args: dict,
                  size: tuple[int, int], threads: int | None = None):
@@ -182,9 +188,22 @@ class DecodeWorker:
         self._proc.start()
         self.pid = self._proc.pid
 
-    # The render loop's calls.
+    # The render loop's calls (the Publisher protocol).
 
-    def submit(self, final: Final, next_chunk: int, state: RollingState) -> list[Acked]:
+    def publish(self, final: Final, next_chunk: int, state: RollingState) -> list[Stretch]:
+        """Handed over; its resume point is saved once the worker has written it (acknowledged)."""
+        state.published += final.frames
+        return self.submit(final, next_chunk, state)
+
+    def finish(self) -> list[Stretch]:
+        return self.drain()
+
+    @property
+    def seconds(self) -> dict[str, float]:
+        """The worker's decode seconds (overlapping the chunks after), and the seconds the loop waited on it."""
+        return {"decode": self.decode_s, "decode_wait": self.wait_s}
+
+    def submit(self, final: Final, next_chunk: int, state: RollingState) -> list[Stretch]:
         """Hand the stretch `final` (refined latents) over; returns the stretches acknowledged meanwhile, in order.
         Blocks while DEPTH stretches are in flight. `state` is the render process's rolling state after this
         stretch (state.published counts it); its decode-owned tensors (a resumed render's decoder cache) go to the
@@ -212,7 +231,7 @@ class DecodeWorker:
         self._inbox.put(("stretch", self._seq, slot, layout, final.start, final.end, grown))
         return done
 
-    def drain(self) -> list[Acked]:
+    def drain(self) -> list[Stretch]:
         """Wait for every stretch in flight; returns their acknowledgments in order."""
         done = []
         while self._sent:
@@ -257,7 +276,7 @@ class DecodeWorker:
 
     # Internals.
 
-    def _collect(self, block: bool) -> list[Acked]:
+    def _collect(self, block: bool) -> list[Stretch]:
         done = []
         while self._sent:
             msg = self._next(block=block and not done)
@@ -316,7 +335,8 @@ class DecodeWorker:
         raise RenderError(f"the decode worker (pid {self.pid}) died ({how}) "
                           f"{'while rendering' if self._ready else 'while starting'}")
 
-    def _acked(self, msg: tuple) -> Acked:
+    def _acked(self, msg: tuple) -> Stretch:
+        """A stretch the worker decoded, wrote and hashed, with the rolling state to resume after it."""
         _, seq, slot, layout, digest, grown, first_put, decode_s = msg
         sent = self._sent.popleft()
         assert sent.seq == seq, f"decode worker answered stretch {seq}, expected {sent.seq}"
@@ -329,7 +349,7 @@ class DecodeWorker:
         self.decode_s += decode_s
         # Saved before this slot is written again (the checkpoint is written from on_stretch, synchronously).
         state = RollingState(tensors={**sent.tensors, **cache}, held=sent.held, published=sent.published)
-        return Acked(sent.next_chunk, sent.start, sent.end, digest, state)
+        return Stretch(sent.next_chunk, sent.start, sent.end, digest, state)
 
 
 # --- the worker process -------------------------------------------------------------------------------------------
@@ -349,12 +369,6 @@ def _worker_main(source: Any, runtime: Runtime, threads: int, writer_path: str, 
     torch.set_num_threads(threads)
     writer = None
     try:
-        from avatar_cli.media.writer import Mp4Writer
-        from avatar_cli.families.registry import load_modules
-        from avatar_cli.runtime.distributed import Dist
-        from avatar_cli.runtime.placement import place
-        from avatar_cli.stages.publish import DecodePublish
-
         family: Family = source.family
         skip = [c for c in family.components if c not in family.needs["decode"]]
         modules = load_modules(source, skip=skip)
@@ -379,11 +393,9 @@ def _worker_main(source: Any, runtime: Runtime, threads: int, writer_path: str, 
 
 def _serve(family: Family, publish: Any, runtime: Runtime, writer: Any, size: tuple[int, int],
            slots: list[torch.Tensor], inbox: Any, outbox: Any) -> None:
-    from avatar_cli.pipeline.run import HashingSink
-
     state = RollingState()
     acks: list[torch.Tensor | None] = [None] * len(slots)
-    first_put: float | None = None
+    hashing = HashingSink(writer)  # its first_put: when the first frame reached the writer (the render's ttff)
     while True:
         msg = inbox.get()
         if msg[0] == "close":
@@ -402,13 +414,11 @@ def _serve(family: Family, publish: Any, runtime: Runtime, writer: Any, size: tu
         got = {k: v.clone() for k, v in unpack(slots[slot], layout).items()}
         z = got.pop("z").to(runtime.device)
         state.tensors.update({k.removeprefix("state."): v.to(runtime.device) for k, v in got.items()})
-        hashing = HashingSink(_FirstPut(writer))
         t0 = time.perf_counter()
         with torch.no_grad():
             publish.run(Final(start, end, z), state, hashing, size)
         runtime.synchronize()
         decode_s = time.perf_counter() - t0
-        first_put = first_put if first_put is not None else hashing.sink.first
         stray = [k for k in state.tensors if not family.is_decode_state(k)]
         if stray:
             raise RenderError(f"the {family.name} family's decode keeps '{stray[0]}' in the rolling state, which its "
@@ -419,7 +429,7 @@ def _serve(family: Family, publish: Any, runtime: Runtime, writer: Any, size: tu
         if cache and (acks[slot] is None or acks[slot].numel() < need):
             acks[slot] = new = _shared_buffer(need)
         layout = pack(acks[slot], cache) if cache else []
-        outbox.put(("done", seq, slot, layout, hashing.hash.hexdigest(), new, first_put, decode_s))
+        outbox.put(("done", seq, slot, layout, hashing.take_digest(), new, hashing.first_put, decode_s))
 
 
 def _peak_rss_mb() -> float | None:
@@ -432,17 +442,4 @@ def _peak_rss_mb() -> float | None:
     except OSError:
         pass
     return None
-
-
-class _FirstPut:
-    """The writer, noting when the first frame reached it (the render's time to first frame)."""
-
-    def __init__(self, writer: Any):
-        self.writer = writer
-        self.first: float | None = None
-
-    def put(self, frames: Any) -> None:
-        if self.first is None:
-            self.first = time.perf_counter()
-        self.writer.put(frames)
 

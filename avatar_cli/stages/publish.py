@@ -1,17 +1,20 @@
-"""Decode and publish: VAE-decode final latents in timeline order and hand the frames to the encoder."""
+"""Decode and publish: VAE-decode final latents in timeline order and hand the frames to a Sink.
 
+Step 4 of the chunk loop goes through a `Publisher`: final latents in, published stretches (with their digests)
+out. `PublishHere` decodes in this process (the DecodePublish stage) into a Sink; the decode worker
+(stages/decode_worker.py) decodes in a process of its own. The loop never asks which one it has.
+"""
+
+import time
 from typing import Protocol
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from avatar_cli.families.base import Final, RollingState
+from avatar_cli.media.sink import EMPTY_DIGEST, HashingSink, Sink
+from avatar_cli.pipeline.events import Stretch
 from avatar_cli.stages.base import Stage
-
-
-class FrameSink(Protocol):
-    def put(self, frames: np.ndarray) -> None: ...  # uint8 (T, H, W, 3)
 
 
 def fit_frames(x: torch.Tensor, width: int, height: int) -> torch.Tensor:
@@ -33,7 +36,7 @@ def fit_frames(x: torch.Tensor, width: int, height: int) -> torch.Tensor:
 class DecodePublish(Stage):
     step = "decode"
 
-    def run(self, final: Final, state: RollingState, sink: FrameSink | None, size: tuple[int, int]) -> int:
+    def run(self, final: Final, state: RollingState, sink: Sink | None, size: tuple[int, int]) -> int:
         """final: consecutive final latents; the decoder's cache carries in `state`. Returns frames published.
         sink None: decode for the rolling state only (a rank that writes nothing, of a family whose later chunks
         are conditioned on decoded frames)."""
@@ -46,3 +49,59 @@ class DecodePublish(Stage):
             sink.put(frames.cpu().numpy())
 
         return self.family.decode(self.models, final, state, put)
+
+
+class Publisher(Protocol):
+    """What the chunk loop hands final latents to, wherever they are decoded.
+
+    needs: components this process runs in `publish` (the loop brings them onto the device around it); step: the
+    compute_s key the loop bills `publish` to (None: not timed there); first_put: perf_counter when the first frame
+    reached the Sink (None: none yet); seconds: compute seconds it measured itself, added to the loop's at the end.
+    """
+
+    needs: tuple[str, ...]
+    step: str | None
+    first_put: float | None
+    seconds: dict[str, float]
+
+    def publish(self, final: Final, next_chunk: int, state: RollingState) -> list[Stretch]:
+        """Publish `final` (refined latents; `state.published` counts it after this); returns the stretches whose
+        frames are now in the Sink, each with the rolling state to resume after it (the ones in flight come later)."""
+        ...
+
+    def finish(self) -> list[Stretch]: ...  # wait for every stretch in flight; their Stretches, in order
+
+    def close(self) -> object: ...  # finish the Sink
+
+    def abort(self) -> object: ...  # after a failure: stop, keeping what the Sink has written
+
+
+class PublishHere:
+    """The DecodePublish stage in this process, into `sink` (None: a rank that writes nothing; it decodes only
+    when the family conditions later chunks on decoded frames, and then only for the rolling state)."""
+
+    def __init__(self, stage: DecodePublish, sink: Sink | None, size: tuple[int, int]):
+        self.stage, self.size = stage, size
+        self.hashing = HashingSink(sink) if sink is not None else None
+        decodes = sink is not None or stage.family.decode_feeds_back
+        self.needs = stage.needs if decodes else ()
+        self.step = "decode" if decodes else None
+        self.first_put: float | None = None
+        self.seconds: dict[str, float] = {}
+
+    def publish(self, final: Final, next_chunk: int, state: RollingState) -> list[Stretch]:
+        n = self.stage.run(final, state, self.hashing, self.size) if self.step else final.frames
+        state.published += n
+        if self.first_put is None:
+            self.first_put = time.perf_counter()
+        digest = self.hashing.take_digest() if self.hashing is not None else EMPTY_DIGEST
+        return [Stretch(next_chunk, state.published - n, state.published, digest, state)]
+
+    def finish(self) -> list[Stretch]:
+        return []
+
+    def close(self) -> object:
+        return self.hashing.close() if self.hashing is not None else None
+
+    def abort(self) -> object:
+        return self.hashing.abort() if self.hashing is not None else None
