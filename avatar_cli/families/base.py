@@ -8,20 +8,22 @@ A family knows its own models. It declares
 
 The Pipeline runs these steps in its fixed order, timing each and bringing each step's components onto the
 device (`Step.needs`); the Stages wrap them one step each. Neither knows any family: they see only this
-interface, and a family imports nothing of pipeline/, runtime/, media/ or the CLI.
+interface, and a family imports nothing of pipeline/, runtime/ or the CLI, and of media/ only the AudioSource
+protocol it reads audio through (media/source.py, which imports nothing of the project).
 
 The rolling state between chunks is a plain container of tensors (`RollingState`): what a family keeps in it
 is its own business, and all of it is saved in resume checkpoints, so a resumed render continues exactly.
 """
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
-import numpy as np
 import torch
 from torch import nn
+
+from avatar_cli.media.source import AudioSource  # noqa: F401  (the families read audio through it)
 
 
 @dataclass(frozen=True)
@@ -79,17 +81,6 @@ class Final:
     @property
     def frames(self) -> int:
         return self.end - self.start
-
-
-class AudioSource(Protocol):
-    @property
-    def total(self) -> int: ...  # samples in the audio
-
-    def read(self, start: int, end: int) -> np.ndarray: ...  # mono float32 samples [start, end), zero-padded
-
-    def release(self, before: int) -> None: ...  # samples before this index will not be read again
-
-    def stream(self) -> Iterator[np.ndarray]: ...  # the whole audio once more, in chunks, from its own decoder
 
 
 @dataclass(frozen=True)
