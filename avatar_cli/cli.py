@@ -39,10 +39,11 @@ class Terminated(BaseException):
     """SIGTERM, raised in the main thread so cleanup runs as for Ctrl-C."""
 
 
-def _install_signal_handlers() -> None:
+def _install_signal_handlers() -> dict:
     """First SIGINT/SIGTERM: stop within the current chunk, keeping a playable partial file and a
-    resumable checkpoint. A second SIGINT: exit at once."""
+    resumable checkpoint. A second SIGINT: exit at once. Returns the handlers they replace."""
     interrupted = False
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
 
     def handler(exc: type[BaseException], code: int):
         def on_signal(signum, frame):  # noqa: ARG001
@@ -55,9 +56,12 @@ def _install_signal_handlers() -> None:
 
     signal.signal(signal.SIGINT, handler(KeyboardInterrupt, EXIT_INTERRUPTED))
     signal.signal(signal.SIGTERM, handler(Terminated, EXIT_TERMINATED))
+    return previous
 
 
 _interrupt_reported = False  # _run said so already; _app must not say it twice
+# Set by main(): the process ends when the command does. Only then does _run leave SIGINT/SIGTERM ignored.
+_process_ends_after_run = False
 
 
 def _kept_text(kept: Optional[bool]) -> str:
@@ -75,7 +79,7 @@ def _run(action, json_mode: Optional[bool], debug: bool) -> None:
     from avatar_cli.report import make_reporter
 
     reporter = make_reporter(json_mode)
-    _install_signal_handlers()
+    previous = _install_signal_handlers()
     try:
         code = action(reporter)
     except AvatarError as e:
@@ -97,8 +101,10 @@ def _run(action, json_mode: Optional[bool], debug: bool) -> None:
     finally:
         # The outcome is decided (the output committed, or the error reported): a signal now, while the
         # interpreter winds down, must not turn it into 130/143 (a Slurm SIGTERM would fail a finished job).
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        # So the process's own entry (main) ignores them from here to its exit; a caller in-process (a test,
+        # a program that runs the app) gets back the handlers it had.
+        for sig, was in previous.items():
+            signal.signal(sig, signal.SIG_IGN if _process_ends_after_run else was)
     if code:
         raise typer.Exit(code)
 
@@ -413,16 +419,20 @@ def _print_info(reporter, info: dict) -> None:
         print()
 
 
-def _app() -> int:
-    """Run the Typer app and return the exit code. Usage errors (an unknown option, a missing argument) and
-    a Ctrl-C before a command's own handlers are up end as every other error: one line, JSON when asked.
+def _app(args: Optional[list[str]] = None) -> int:
+    """Run the Typer app on args (default: the command line) and return the exit code. Usage errors (an
+    unknown option, a missing argument) and a Ctrl-C before a command's own handlers are up end as every
+    other error: one line, JSON when asked.
 
     Click's exceptions are recognised by shape: newer Typer vendors Click privately, older depends on it.
     """
-    argv = sys.argv[1:]
+    global _interrupt_reported
+    _interrupt_reported = False
+    argv = sys.argv[1:] if args is None else args
     json_mode = True if "--json" in argv else False if "--no-json" in argv else None
     try:
-        code = app(standalone_mode=False)
+        code = app(standalone_mode=False) if args is None else app(args=args, prog_name="avatar",
+                                                                     standalone_mode=False)
     except Exception as e:
         if type(e).__name__ == "NoArgsIsHelpError":  # plain `avatar`: the help, as asked for
             print(e.format_message())
@@ -448,6 +458,8 @@ def _app() -> int:
 
 
 def main() -> None:
+    global _process_ends_after_run
+    _process_ends_after_run = True
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:  # not a torchrun worker (checked without importing torch)
         sys.exit(_app())
     # A torchrun worker leaves without the interpreter's C++ teardown: after a run, gloo's threads can still

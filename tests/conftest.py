@@ -1,16 +1,19 @@
 """Shared fixtures: a tiny model directory of the real architecture, and small generated inputs."""
 
+import contextlib
 import os
 import subprocess
+import sys
 import wave
 from pathlib import Path
 
 import numpy as np
 import pytest
+from typer.testing import CliRunner
 
+from avatar_cli.cli import _app
 from avatar_cli.media.image import save_png
 from avatar_cli.families.mini.model_dir import init_model_dir
-from tests import forkserver
 
 
 def write_wav(path: Path, seconds: float, rate: int = 16_000, channels: int = 1, freq: float = 220.0) -> Path:
@@ -41,29 +44,52 @@ def _private_cache_folder(tmp_path_factory) -> None:
     os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg_cache"))
 
 
-@pytest.fixture(autouse=True, scope="session")
-def _fork_server():
-    yield
-    forkserver.close_server()
+@contextlib.contextmanager
+def _working_folder(cwd: Path | None):
+    before = os.getcwd()
+    if cwd is not None:
+        os.chdir(cwd)
+    try:
+        yield
+    finally:
+        os.chdir(before)
 
 
-def avatar(*args: str, timeout: float = 300, cwd: Path | None = None, env: dict | None = None
+def avatar(*args: str, cwd: Path | None = None, env: dict[str, str | None] | None = None
            ) -> subprocess.CompletedProcess:
-    """`python -m avatar_cli ARGS`, run to its end, output captured as text: a process forked from the test
-    process's fork server (tests/forkserver.py), which has torch and avatar_cli imported already."""
-    return forkserver.run(list(args), timeout=timeout, cwd=cwd, env=env)
+    """`avatar ARGS` run to its end in this process: Typer's CliRunner captures its stdout and stderr (and sets
+    env's variables, None unsets one, for the run), cwd is the working folder meanwhile, and cli._app is what the
+    `avatar` command runs, so usage errors and exit codes are a user's. The result reads as subprocess.run's.
+
+    For a test about processes (signals, kill -9, torchrun, the entry point), start_avatar, avatar_process or
+    torchrun start a fresh interpreter instead."""
+    with _working_folder(cwd), CliRunner().isolation(env=env) as (out, err, _):
+        code = _app(list(args))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        stdout, stderr = out.getvalue().decode(), err.getvalue().decode("utf-8", "backslashreplace")
+    return subprocess.CompletedProcess(["avatar", *args], code, stdout, stderr)
 
 
-def start_avatar(*args: str, **kwargs) -> forkserver.ForkedCli:
-    """`python -m avatar_cli ARGS` started and left running (stdout/stderr pipes, as subprocess.Popen's)."""
-    return forkserver.ForkedCli(list(args), **kwargs)
+def start_avatar(*args: str, cwd: Path | None = None, env: dict | None = None, **kwargs) -> subprocess.Popen:
+    """`python -m avatar_cli ARGS` started in a fresh interpreter and left running (text pipes by default)."""
+    kwargs = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **kwargs}
+    return subprocess.Popen([sys.executable, "-m", "avatar_cli", *args], text=True, cwd=cwd, env=env, **kwargs)
+
+
+def avatar_process(*args: str, timeout: float = 300, cwd: Path | None = None, env: dict | None = None
+                   ) -> subprocess.CompletedProcess:
+    """`python -m avatar_cli ARGS` in a fresh interpreter, run to its end, output captured as text: for the
+    tests about processes (`--nproc` launches torchrun's agent and its workers)."""
+    return subprocess.run([sys.executable, "-m", "avatar_cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd, env=env)
 
 
 def torchrun(*args: str, timeout: float = 300, cwd: Path | None = None, env: dict | None = None
              ) -> subprocess.CompletedProcess:
-    """`python -m torch.distributed.run ARGS`, the launcher forked as `avatar` is (its workers are fresh
-    interpreters, started by torchrun's agent)."""
-    return forkserver.run(list(args), timeout=timeout, cwd=cwd, env=env, entry="torch.distributed.run:main")
+    """`python -m torch.distributed.run ARGS` (a fresh interpreter, as are the workers its agent starts)."""
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd, env=env)
 
 
 @pytest.fixture(scope="session")

@@ -16,11 +16,10 @@ import pytest
 from avatar_cli.batch import expand_jobs, take_shard
 from avatar_cli.media.writer import count_video_frames
 from tests.conftest import avatar, start_avatar, write_wav
-from tests.forkserver import ForkedCli
 
 
-def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return avatar(*args, timeout=timeout)
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return avatar(*args)
 
 
 def events(stdout: str) -> list[dict]:
@@ -32,11 +31,12 @@ def decoded(path: Path) -> np.ndarray:
         return np.stack([f.to_ndarray(format="rgb24") for f in c.decode(video=0)]).astype(np.float32)
 
 
-def start_render(*args: str) -> ForkedCli:
+def start_render(*args: str) -> subprocess.Popen:
+    """A render in a process of its own, for the tests that kill or signal it."""
     return start_avatar("render", *args, "--json")
 
 
-def wait_chunks(proc: ForkedCli, n: int) -> None:
+def wait_chunks(proc: subprocess.Popen, n: int) -> None:
     seen = 0
     for line in proc.stdout:
         if json.loads(line)["event"] == "chunk":
@@ -534,8 +534,9 @@ def test_a_second_render_of_the_same_output_is_refused_while_the_first_runs(job_
 
 
 @pytest.mark.parametrize("outcome", [0, 2])
-def test_once_the_outcome_is_decided_a_signal_no_longer_changes_the_exit_code(outcome):
-    """A Slurm SIGTERM while the interpreter winds down after `done` must not fail a finished job."""
+def test_once_the_outcome_is_decided_a_signal_no_longer_changes_the_exit_code(outcome, monkeypatch):
+    """A Slurm SIGTERM while the interpreter winds down after `done` must not fail a finished job: in the
+    process's own entry (main), _run leaves SIGINT/SIGTERM ignored."""
     import typer
 
     from avatar_cli import cli as cli_module
@@ -547,6 +548,7 @@ def test_once_the_outcome_is_decided_a_signal_no_longer_changes_the_exit_code(ou
         assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_IGN, signal.SIG_DFL)  # live while working
         return 0
 
+    monkeypatch.setattr(cli_module, "_process_ends_after_run", True)  # as main() sets it
     saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         try:
@@ -557,6 +559,25 @@ def test_once_the_outcome_is_decided_a_signal_no_longer_changes_the_exit_code(ou
     finally:
         for s, handler in saved.items():
             signal.signal(s, handler)
+
+
+@pytest.mark.parametrize("outcome", ["valid", "bad input", "usage error"])
+def test_the_cli_run_in_process_leaves_the_signal_handlers_as_it_found_them(job_dir: Path, outcome):
+    """Called in-process (Typer's CliRunner, a program that runs the app), a command hands SIGINT and SIGTERM
+    back as they were, whatever its outcome: Ctrl-C still stops the caller afterwards."""
+    from typer.testing import CliRunner
+
+    from avatar_cli.cli import app
+
+    if outcome == "bad input":
+        (job_dir / "ref.png").unlink()
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    args = ["validate", str(job_dir / "job.yaml"), "--json"] + (["--bogus"] if outcome == "usage error" else [])
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == {"valid": 0, "bad input": 2, "usage error": 2}[outcome], result.output
+    assert {s: signal.getsignal(s) for s in before} == before
+    assert cli("validate", str(job_dir / "job.yaml"), "--json").returncode == (2 if outcome == "bad input" else 0)
+    assert {s: signal.getsignal(s) for s in before} == before
 
 
 def test_failure_messages_are_one_line_and_a_lost_peer_is_said_in_words():

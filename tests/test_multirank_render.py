@@ -9,11 +9,13 @@ import av
 import numpy as np
 import pytest
 
-from tests.conftest import avatar, torchrun, write_job
+from tests.conftest import avatar, avatar_process, torchrun, write_job
 
 
 def render(job: Path, out: Path, *extra: str) -> dict:
-    result = avatar("render", str(job), "-o", str(out), "--json", *extra)
+    """One rank in this process; --nproc (torchrun's agent and its workers) from a fresh interpreter."""
+    run = avatar_process if "--nproc" in extra else avatar
+    result = run("render", str(job), "-o", str(out), "--json", *extra)
     if result.returncode != 0:  # torchrun's summary comes last; the failing rank's own message is further up
         clues = [line for line in result.stderr.splitlines()
                  if any(w in line for w in ("terminate", "Error", "error:", "what()", "Abort", "Traceback"))]
@@ -175,7 +177,7 @@ def test_ctrl_c_on_the_launcher_ends_every_rank_and_keeps_the_partial(job_dir: P
 def test_a_rank_count_the_heads_do_not_divide_is_bad_input_without_a_traceback(job_dir: Path, tmp_path: Path):
     """--nproc 3: refused before any worker starts. torchrun by hand: each rank refuses before rendering."""
     out = tmp_path / "v.mp4"
-    r = avatar("render", str(job_dir / "job.yaml"), "-o", str(out), "--json", "--nproc", "3", timeout=120)
+    r = avatar("render", str(job_dir / "job.yaml"), "-o", str(out), "--json", "--nproc", "3")  # refused in-process
     assert r.returncode == 2, r.stderr[-2000:]
     error = json.loads(r.stdout.strip().splitlines()[-1])
     assert error["event"] == "error" and "dit.heads=2 is not divisible by the degree 3" in error["message"]

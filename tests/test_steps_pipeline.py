@@ -13,7 +13,7 @@ from avatar_cli.families.mini.family import MiniFamily
 from avatar_cli.families.wan_s2v.live import LiveAvatarFamily
 from avatar_cli.families.registry import init_family_dir
 from avatar_cli.pipeline.steps import choose_parallel, rank_skips
-from tests.conftest import avatar, start_avatar, write_reference, write_wav
+from tests.conftest import avatar, avatar_process, start_avatar, write_reference, write_wav
 
 REPO = Path(__file__).resolve().parent.parent
 SECONDS = 5.8  # round(5.8 x 16) = 93 frames = 9 + 7 x 12: 8 blocks, two of their clips, across the block-4 refresh
@@ -51,7 +51,7 @@ def test_each_rank_loads_only_what_its_role_runs(job: Path):
 
 
 def test_steps_on_a_family_without_it_is_exit_2(job_dir: Path):
-    res = avatar("validate", str(job_dir / "job.yaml"), "runtime.parallel=steps", cwd=REPO, timeout=120)
+    res = avatar("validate", str(job_dir / "job.yaml"), "runtime.parallel=steps", cwd=REPO)
     assert res.returncode == 2
     assert "runtime.parallel: steps: the mini family's 'clip' mode has no timestep pipeline" in res.stderr
     assert "Traceback" not in res.stderr
@@ -93,8 +93,8 @@ def events(stdout: str) -> list[dict]:
 
 @pytest.mark.slow
 def test_three_ranks_two_steps_equal_one_process(job: Path, one_rank: dict):
-    res = avatar("render", str(job), "--nproc", "3", "--json", "-o", str(job.parent / "out" / "tpp.mp4"), cwd=REPO,
-                 timeout=600)
+    res = avatar_process("render", str(job), "--nproc", "3", "--json", "-o", str(job.parent / "out" / "tpp.mp4"),
+                         cwd=REPO, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     done = events(res.stdout)[-1]
     assert one_rank["frames"] == done["frames"] == 93
@@ -139,7 +139,7 @@ def test_two_ranks_sequence_parallel_match_one_process(job: Path, one_rank: dict
     head-sharded and gathered on rank 0 for its resume points. Float sums in another order: the lossless video's
     values may differ by a level or two in a few places, never more."""
     out = job.parent / "out" / "sp.mp4"
-    res = avatar("render", str(job), "--nproc", "2", "--json", "-o", str(out), cwd=REPO, timeout=600)
+    res = avatar_process("render", str(job), "--nproc", "2", "--json", "-o", str(out), cwd=REPO, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "parallel: sequence (auto: 2 ranks, not 2 steps + 1)" in res.stderr
     a, b = decoded(out), decoded(job.parent / "out" / "one.mp4")

@@ -19,7 +19,7 @@ from avatar_cli.pipeline.text_cache import EntryKey, PromptCache, TextCache
 from avatar_cli.report import QuietReporter
 from avatar_cli.spec import load_job
 from avatar_cli.stages.base import ModelView
-from tests.conftest import avatar, write_reference, write_wav
+from tests.conftest import avatar, avatar_process, write_reference, write_wav
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -269,7 +269,8 @@ def test_prompts_encode_then_render_does_not_load_the_encoder(jobs, tiny_model):
 def test_two_ranks_agree_on_a_cached_prompt(jobs, tiny_model):
     """Rank 0 reads the entry and hands it to rank 1: both skip the encoder (or neither), same frames as 1 rank."""
     one = render(write_job(jobs, "one", "calm", "cache", tiny_model))  # fills the cache
-    r = avatar("render", str(write_job(jobs, "two", "calm", "cache", tiny_model)), "--json", "--nproc", "2", cwd=ROOT)
+    r = avatar_process("render", str(write_job(jobs, "two", "calm", "cache", tiny_model)), "--json", "--nproc", "2",
+                       cwd=ROOT)
     assert r.returncode == 0, r.stderr
     two = json.loads(r.stdout.splitlines()[-1])
     assert (one["text_cache"], two["text_cache"], two["ranks"]) == ("miss", "hit", 2)

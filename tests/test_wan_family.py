@@ -15,13 +15,13 @@ from avatar_cli.families.base import Sampling
 from avatar_cli.families.wan_s2v.family import LEAD, WanS2VFamily, size_less_than_area
 from avatar_cli.families.registry import check_model, init_family_dir, resolve_model
 from avatar_cli.pipeline.schedule import num_frames
-from tests.conftest import avatar, start_avatar, write_reference, write_wav
+from tests.conftest import avatar, avatar_process, start_avatar, write_reference, write_wav
 
 FPS = 16
 
 
-def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return avatar(*args, timeout=timeout)
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return avatar(*args)
 
 
 def events(stdout: str) -> list[dict]:
@@ -227,7 +227,7 @@ def test_two_ranks_match_one(one_rank, tmp_path: Path):
     folder, evs = one_rank
     # Lossless video (crf 0, in the job): a random model's frames are noise, on which a 1-level change can flip
     # an H.264 macroblock's mode and move its pixels by tens; lossless, what is compared is the model's output.
-    two = cli("render", str(folder / "job.yaml"), "-o", str(tmp_path / "two.mp4"), "--json", "--nproc", "2")
+    two = avatar_process("render", str(folder / "job.yaml"), "-o", str(tmp_path / "two.mp4"), "--json", "--nproc", "2")
     assert two.returncode == 0, two.stderr[-2000:]
     assert (evs[-1]["ranks"], events(two.stdout)[-1]["ranks"]) == (1, 2)
     a, b = frames_of(folder / "out" / "video.mp4"), frames_of(tmp_path / "two.mp4")

@@ -8,6 +8,7 @@ import json
 import random
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -24,8 +25,7 @@ from avatar_cli.families.wan_s2v.vae import WanVAECache
 from avatar_cli.families import registry
 from avatar_cli.pipeline.checkpoint import state_from_tensors, state_tensors
 from avatar_cli.pipeline.schedule import num_frames
-from tests import forkserver
-from tests.conftest import write_reference, write_wav
+from tests.conftest import avatar, write_reference, write_wav
 from tests.test_wan_causal import golden, model, rel  # noqa: F401 (fixtures)
 from tests.test_wan_family import events
 
@@ -238,13 +238,18 @@ def main() -> None:
     cli_main()
 
 
-def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return forkserver.run(list(args), timeout=timeout, cwd=REPO, entry="tests.test_wan_live:main")
+def cli(*args: str) -> subprocess.CompletedProcess:
+    """The CLI with the streaming family, run in this process."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(registry.ModelSource, "config_family", family_of(LiveAvatarFamily))
+        return avatar(*args, cwd=REPO)
 
 
 def killed_after(chunks: int, *args: str) -> None:
-    """Run the streaming CLI and SIGKILL it as soon as it has reported `chunks` chunks."""
-    proc = forkserver.ForkedCli(list(args), cwd=REPO, entry="tests.test_wan_live:main")
+    """Run the streaming CLI in a process of its own (main) and SIGKILL it as soon as it has reported `chunks`
+    chunks."""
+    proc = subprocess.Popen([sys.executable, "-c", "from tests.test_wan_live import main; main()", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
     try:
         reported = (line for line in proc.stdout if json.loads(line)["event"] == "chunk")
         for _ in range(chunks):

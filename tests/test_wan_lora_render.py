@@ -27,7 +27,7 @@ from avatar_cli.runtime.distributed import Dist
 from avatar_cli.runtime.offload import HostTransfer
 from avatar_cli.runtime.placement import place
 from avatar_cli.spec import load_job
-from tests.conftest import avatar, torchrun, write_reference, write_wav
+from tests.conftest import avatar, avatar_process, torchrun, write_reference, write_wav
 
 RANK, SCALE = 4, 0.5
 GOLDEN = Path(__file__).parent / "golden" / "wan_s2v"
@@ -93,7 +93,9 @@ def job(models) -> Path:
 
 
 def render(job: Path, out: Path, *extra: str) -> dict:
-    result = avatar("render", str(job), "-o", str(out), "--json", *extra)
+    """One rank in this process; --nproc (torchrun's agent and its workers) from a fresh interpreter."""
+    run = avatar_process if "--nproc" in extra else avatar
+    result = run("render", str(job), "-o", str(out), "--json", *extra)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
