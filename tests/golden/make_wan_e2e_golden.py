@@ -56,7 +56,8 @@ Patches, all applied at run time; the official files are never edited (speech2vi
    in the official code already). Its autocast('cuda') regions are off on a machine without CUDA.
 7. Sizes: `umt5_xxl` (t5.py) and `_video_vae` (vae2_1.py) hard-code the release's sizes; they are called with
    the tiny sizes instead. `WanModel_S2V.ignore_for_config` without `text_dim` while it loads, so that
-   from_pretrained reads the tiny text_dim from config.json (otherwise it always builds the release's 4096).
+   from_pretrained reads the tiny text_dim from config.json (otherwise it always builds the release's 4096). The
+   config's text_len (512, the umT5 context the release's DiT takes) set to the tiny DiT's 16.
 Everything else runs as published: the T5EncoderModel, Wan2_1_VAE, AudioEncoder (librosa, Wav2Vec2Processor)
 and WanModel_S2V.from_pretrained loaders, the area rule, the PIL resize and crop of the reference, the noise,
 FlowUniPCMultistepScheduler, CFG, the per-clip decode and the motion re-encode.
@@ -141,6 +142,9 @@ def sdpa_flash_attention(q, k, v, q_lens=None, k_lens=None, dropout_p=0.0, softm
 
 def import_official(tree: Path):
     """wan.speech2video and the modules the maker uses, from the patched copy, with patches 2-5 and 7."""
+    # transformers first: its availability probes need real module specs, which the decord stub lacks.
+    from transformers import AutoTokenizer, Wav2Vec2ForCTC, Wav2Vec2Processor  # noqa: F401
+
     for name in ("wan", "wan.modules", "wan.modules.s2v", "wan.distributed", "wan.utils", "wan.configs"):
         pkg = types.ModuleType(name)
         pkg.__path__ = [str(tree / name.replace(".", "/"))]
@@ -204,7 +208,7 @@ def reference_image(width: int, height: int) -> np.ndarray:
     for cx in (-0.22, 0.22):
         img[((u - cx) / 0.09) ** 2 + ((v + 0.2) / 0.06) ** 2 < 1] = [40, 30, 30]
     img[(np.abs(u) < 0.2) & (np.abs(v - 0.35) < 0.05)] = [150, 50, 60]
-    img += 12 * np.sin(1.3 * xx) * np.cos(0.9 * yy)  # fine texture, which a resize filters
+    img += (12 * np.sin(1.3 * xx) * np.cos(0.9 * yy))[..., None]  # fine texture, which a resize filters
     return np.clip(np.round(img), 0, 255).astype(np.uint8)
 
 
@@ -230,7 +234,7 @@ def tiny_w2v(folder: Path) -> None:
             elif p.dim() >= 2 and "conv" not in name:
                 p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)  # larger than the 0.02 init: attention is live
     model.save_pretrained(str(folder), safe_serialization=True)
-    letters = ["<pad>", "<s>", "</s>", "<unk>", "|", *"ETAONISRHLDCUMWFGYPBVK'XJQZ"]
+    letters = ["<pad>", "<s>", "</s>", "<unk>", "|", *"ETAONISRHLDCUMWFGYPBVK'XJQZ-"]
     assert len(letters) == 33
     with tempfile.TemporaryDirectory() as tmp:
         vocab = Path(tmp) / "vocab.json"
@@ -357,6 +361,7 @@ def main() -> None:
     cfg = copy.deepcopy(off.config)
     cfg.param_dtype = torch.float32  # patch 6
     cfg.t5_dtype = torch.float32
+    cfg.text_len = DIT_TINY["text_len"]  # patch 7: the umT5 context length is the DiT's (512 both in the release)
     cls = off.model_s2v.WanModel_S2V
     ignored = cls.ignore_for_config
     cls.ignore_for_config = [k for k in ignored if k != "text_dim"]  # patch 7, while it loads
@@ -398,7 +403,7 @@ def main() -> None:
                     "run_time": ["decord stubbed", "package __init__s not run",
                                  "torch.cuda.current_device -> 'cpu' while t5.py imports",
                                  "flash_attention -> scaled_dot_product_attention (model.py, model_s2v.py)",
-                                 "param_dtype, t5_dtype -> float32",
+                                 "param_dtype, t5_dtype -> float32", "text_len -> 16 (the tiny DiT's)",
                                  f"umt5_xxl(**{T5_TINY}), _video_vae(**{VAE_TINY}), "
                                  "WanModel_S2V.ignore_for_config without text_dim while from_pretrained runs"]},
         "timings_s": {"model_dir": round(t1 - t0, 2), "generate": round(t2 - t1, 2)},
