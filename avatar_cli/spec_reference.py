@@ -148,7 +148,8 @@ def reference_yaml() -> str:
 def main(argv: list[str]) -> int:
     text = reference_yaml()
     if argv == ["--write"]:
-        targets = [PACKAGED] + ([REPOSITORY] if REPOSITORY.parent.is_dir() else [])
+        in_checkout = (REPOSITORY.parent.parent / "pyproject.toml").is_file()  # not in an installed wheel
+        targets = [PACKAGED] + ([REPOSITORY] if in_checkout else [])
         for path in targets:
             path.write_text(text)
             print(f"wrote {path}")
