@@ -25,8 +25,9 @@ LAZY = [
     "torch.utils.flop_counter", "torch._dynamo", "torch.distributed.fsdp", "torch.distributed.tensor",
     "torch.distributed.run", "torch.distributed.elastic.rendezvous.c10d_rendezvous_backend", "torch.testing",
     "torch.utils.serialization", "typer._adapters", "typer._click.decorators", "typer.testing", "av.subtitles",
-    "numpy.ctypeslib", "numpy.ma", "numpy.testing", "pydantic.v1", "fastapi", "httpx", "uvicorn.loops.auto",
-    "uvicorn.protocols.http.auto", "uvicorn.protocols.websockets.auto", "uvicorn.lifespan.on", "uvicorn.lifespan.off",
+    "numpy.ctypeslib", "numpy.ma", "numpy.testing", "PIL.Image", "pydantic.v1", "fastapi", "httpx",
+    "uvicorn.loops.auto", "uvicorn.protocols.http.auto", "uvicorn.protocols.websockets.auto", "uvicorn.lifespan.on",
+    "uvicorn.lifespan.off",
 ]
 # What the tests run on.
 TESTS = ["walk:_pytest", "pytest", "walk:xdist", "execnet", "anyio.pytest_plugin", "anyio._backends._asyncio"]

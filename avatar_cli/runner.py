@@ -18,7 +18,7 @@ import torch
 from avatar_cli.errors import InputError, RenderError
 from avatar_cli.families.base import ParallelPlan, Sampling
 from avatar_cli.media.audio import AudioInfo, AudioWindowReader, probe_audio
-from avatar_cli.media.image import fit_image, load_image, small_image_warning
+from avatar_cli.media.image import load_image, small_image_warning
 from avatar_cli.media.writer import Mp4Writer, resolve_codec
 from avatar_cli.modules.module import Module
 from avatar_cli.families.registry import ModelSource, check_model, load_modules, resolve_model
@@ -352,7 +352,7 @@ def _render_locked(p: Prepared, reporter: Reporter, models: ModelCache | None, r
                                                                       *absent})
     pipeline = Pipeline(modules, p.model.family, runtime, placement, prompts=prompts,
                         steps_dist=dist if steps else None, absent=absent)
-    image = fit_image(p.image, *p.gen_size)  # (3, H, W) in [-1, 1]
+    image = p.model.family.fit_reference(p.image, *p.gen_size)  # (3, H, W) in [-1, 1]
     chunks = pipeline.schedule(spec, frames)
 
     first_put = resume_from.state.published if resume_from else 0

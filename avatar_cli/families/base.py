@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -184,6 +185,14 @@ class Family(ABC):
         """Raise ValueError naming a job setting this family cannot render (a spec error, exit 2)."""
 
     # Once per job.
+    def fit_reference(self, image: np.ndarray, width: int, height: int) -> torch.Tensor:
+        """The reference picture, uint8 (H, W, 3) as decoded, -> float32 (3, height, width) in [-1, 1], the size the
+        family generates at. By default centre-cropped to the aspect and resized in float (media.image.fit_image); a
+        family whose official preprocessing differs reproduces it here."""
+        from avatar_cli.media.image import fit_image
+
+        return fit_image(image, width, height)
+
     @abstractmethod
     def reference(self, models: Models, image: torch.Tensor, device: torch.device, dtype: torch.dtype) -> Any:
         """image (3, H, W) in [-1, 1] at the native size -> the reference conditioning."""

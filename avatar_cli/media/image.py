@@ -1,4 +1,7 @@
-"""Reference-image I/O without Pillow: decode with PyAV, write PNG by hand, fit to the model's square."""
+"""Reference-image I/O: decode with PyAV, write PNG by hand, fit to the model's frame.
+
+Pillow is used in one place, `fit_image_pil`: the Wan reference path, whose official code resizes with PIL and
+rounds to 8 bits, which no float resize reproduces exactly."""
 
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from avatar_cli.errors import InputError
 from avatar_cli.media._exif import apply_orientation, jpeg_orientation
 from avatar_cli.media._files import check_readable, input_error, reason
 
-__all__ = ["load_image", "save_png", "fit_square", "fit_image", "small_image_warning"]
+__all__ = ["load_image", "save_png", "fit_square", "fit_image", "fit_image_pil", "small_image_warning"]
 
 # FFmpeg's JPEG decoder hands back a frame for a cut-off file (the missing rows flat green) with no error,
 # and a cut PNG fails as generic "invalid data" or not at all (IEND lost), so completeness is checked on
@@ -217,6 +220,43 @@ def fit_image(img: np.ndarray, width: int, height: int) -> torch.Tensor:
         x = F.interpolate(x, size=(height, width), mode="bilinear", antialias=True, align_corners=False)
     x = (x / 127.5 - 1.0).clamp_(-1.0, 1.0)  # (1, 3, height, width)
     return x[0].contiguous()
+
+
+def _resized_size(h: int, w: int, short_side: int) -> tuple[int, int]:
+    """torchvision's Resize(short_side) output size (its _compute_resized_output_size): the shorter side to
+    short_side, the longer one scaled and truncated. -> (height, width)"""
+    if w <= h:
+        return int(short_side * h / w), short_side
+    return short_side, int(short_side * w / h)
+
+
+def fit_image_pil(img: np.ndarray, width: int, height: int) -> torch.Tensor:
+    """The official Wan reference preprocessing, to the bit: torchvision `Resize(min(height, width))` and
+    `CenterCrop((height, width))` on a PIL image, then `ToTensor() * 2 - 1` (wan/speech2video.py). The shorter side
+    is scaled with PIL's antialiased bilinear filter, rounded to 8 bits, then the centre cropped ->
+    float32 (3, height, width) in [-1, 1].
+
+    One departure: where the official crop is larger than the resized image (its 64-pixel size rounding can make the
+    frame's aspect wider than the picture's), it pads with black; here the shorter side is scaled up just enough to
+    cover the frame instead, so nothing is padded. Whenever the official code does not pad, the result is its own."""
+    from PIL import Image
+
+    arr = np.ascontiguousarray(np.asarray(img))
+    if arr.ndim != 3 or arr.shape[2] != 3 or arr.dtype != np.uint8:
+        raise ValueError(f"fit_image_pil wants uint8 (H, W, 3), got {arr.dtype} {arr.shape}")
+    h, w, _ = arr.shape
+    side = min(height, width)
+    nh, nw = _resized_size(h, w, side)
+    while nh < height or nw < width:  # only where the official crop would pad
+        side += 1
+        nh, nw = _resized_size(h, w, side)
+    pic = Image.fromarray(arr)
+    if (nh, nw) != (h, w):
+        pic = pic.resize((nw, nh), Image.BILINEAR)
+    top, left = int(round((nh - height) / 2.0)), int(round((nw - width) / 2.0))
+    pic = pic.crop((left, top, left + width, top + height))
+    x = torch.from_numpy(np.array(pic, dtype=np.uint8)).permute(2, 0, 1).contiguous()  # (3, height, width) uint8
+    return (x.float().div(255) * 2 - 1.0).contiguous()  # ToTensor, then the official * 2 - 1
 
 
 def small_image_warning(img: np.ndarray, path: str | Path, native: int, what: str = "reference") -> str | None:

@@ -29,6 +29,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -42,6 +43,7 @@ from avatar_cli.families.wan_s2v.parallel import SequenceParallelWanDiT
 from avatar_cli.families.wan_s2v.sampler import sample_unipc
 from avatar_cli.families.wan_s2v.text import S2V_NEGATIVE_PROMPT, clean_prompt, load_tokenizer, tokenize
 from avatar_cli.families.wan_s2v.vae import WanVAE, WanVAECache
+from avatar_cli.media.image import fit_image_pil
 
 NATIVE_FPS = 16
 CLIP_FRAMES = 80  # official infer_frames
@@ -81,7 +83,9 @@ class WanS2VFamily(Family):
     needs = {"reference": ("vae",), "prompt": ("text",), "context": ("audio",), "denoise": ("dit",),
              "refine": (), "decode": ("vae",)}
     decode_feeds_back = True  # the next clip's motion latents are re-encoded decoded frames
-    revision = 1  # 1: the last audio layer is wav2vec2's post-layer-norm output, as the official code reads it
+    # 1: the last audio layer is wav2vec2's post-layer-norm output, as the official code reads it;
+    # 2: the reference is resized as the official code resizes it (PIL, then 8 bits; fit_reference)
+    revision = 2
 
     def __init__(self, config: WanS2VConfig):
         self.config = config
@@ -127,6 +131,12 @@ class WanS2VFamily(Family):
             return w, h
         h, w = size_less_than_area(image_wh[1], image_wh[0], DEFAULT_AREA)
         return w, h
+
+    def fit_reference(self, image: np.ndarray, width: int, height: int) -> torch.Tensor:
+        """The official reference preprocessing (wan/speech2video.py): the shorter side resized with PIL, rounded to
+        8 bits, centre-cropped (media.image.fit_image_pil; it scales up instead of padding where the official crop
+        would pad) -> (3, height, width) in [-1, 1]."""
+        return fit_image_pil(image, width, height)
 
     def plan(self, chunking: Any, total_frames: int) -> list[Chunk]:
         """Clip r: window [F r - 3, F r - 3 + F), keeping its frames from 0 on, up to the video's end."""
