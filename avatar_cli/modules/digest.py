@@ -7,8 +7,9 @@ alone would go unseen; retraining or fine-tuning changes them. Copies of a model
 """
 
 import hashlib
-import struct
 from pathlib import Path
+
+from avatar_cli.modules.tensor_files import header_length
 
 SAMPLES, SAMPLE_BYTES, TAIL_BYTES = 16, 4096, 64 << 10
 MAX_HEADER = 1 << 24  # as pipeline/fingerprint.py: a safetensors header is at most this much of the digest
@@ -32,8 +33,7 @@ def file_digest(path: Path) -> str:
         head = f.read(8)
         h.update(head)
         if path.suffix == ".safetensors" and len(head) == 8:
-            (n,) = struct.unpack("<Q", head)
-            h.update(f.read(min(n, MAX_HEADER)))
+            h.update(f.read(min(header_length(head), MAX_HEADER)))
         else:
             h.update(f.read(TAIL_BYTES))
         for i in range(SAMPLES):

@@ -22,6 +22,7 @@ from torch import nn
 from avatar_cli.errors import InputError
 from avatar_cli.modules.loading import TensorIndex, materialize, mismatch_problems
 from avatar_cli.modules.loading import _names  # noqa: F401 -- families word their key lists with it, from here
+from avatar_cli.modules.tensor_files import aligned
 
 
 @dataclass
@@ -176,10 +177,7 @@ def load_module(name: str, model_cls: type[nn.Module], params: object, path: Pat
     """Build on meta, check strictly, then assign the checkpoint's tensors (no copy, no random init)."""
     model = build_meta(model_cls, params)
     check_checkpoint(path, model)
-    # safetensors hands out tensors at the file's byte offsets, often not 64-byte aligned; BLAS then takes
-    # slower unaligned paths whose sums round differently from an aligned copy of the same weights (a
-    # render changed with where its weights happened to sit). One aligned copy each, once.
-    state = {k: v if v.data_ptr() % 64 == 0 else v.clone() for k, v in load_file(str(path), device="cpu").items()}
+    state = aligned(load_file(str(path), device="cpu"))  # unaligned views round differently (tensor_files.aligned)
     model.load_state_dict(state, strict=True, assign=True)
     return Module(name, model, str(path))
 

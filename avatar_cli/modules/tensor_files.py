@@ -15,6 +15,7 @@ import json
 import pickle
 import struct
 import zipfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,6 +63,24 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
 }
 # The safetensors library refuses headers above 100 MB; a bigger length field means a corrupt or foreign file.
 MAX_HEADER_BYTES = 100_000_000
+ALIGN_BYTES = 64
+
+
+def header_length(head: bytes) -> int:
+    """The length of a safetensors file's JSON header, from the file's first 8 bytes (a little-endian u64, as the
+    format's spec says); ValueError when fewer than 8 are given."""
+    if len(head) < 8:
+        raise ValueError(f"{len(head)} bytes, shorter than a safetensors header")
+    (n,) = struct.unpack("<Q", head[:8])
+    return n
+
+
+def aligned(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors, each 64-byte aligned: an aligned one as it is, another copied once. safetensors hands out
+    tensors at the file's (or the buffer's) byte offsets, often not aligned; BLAS then takes slower unaligned paths
+    whose sums round differently from an aligned copy of the same values (a render would change with where its
+    weights or its cached prompt encoding happened to sit)."""
+    return {k: v if v.data_ptr() % ALIGN_BYTES == 0 else v.clone() for k, v in tensors.items()}
 
 
 def read_safetensors_header(path: str | Path) -> dict[str, TensorInfo]:
@@ -74,7 +93,7 @@ def read_safetensors_header(path: str | Path) -> dict[str, TensorInfo]:
             head = f.read(8)
             if len(head) < 8:
                 raise CheckpointFormatError(f"{path}: not a safetensors file (shorter than 8 bytes)")
-            (n,) = struct.unpack("<Q", head)
+            n = header_length(head)
             size = path.stat().st_size
             if n > MAX_HEADER_BYTES or 8 + n > size:
                 raise CheckpointFormatError(f"{path}: not a safetensors file (header length {n} of a {size}-byte file)")

@@ -33,8 +33,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from avatar_cli.modules.module import save_safetensors
 from avatar_cli.families.base import RollingState
+from avatar_cli.files import atomic_path, atomic_write
+from avatar_cli.modules.module import save_safetensors
 
 VERSION = 2  # 2: held stretches saved as [start, end) spans (a latent may make several frames)
 RING = 8  # resume points kept; covers the encoder queue plus the open fragment several times over
@@ -115,19 +116,6 @@ def file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:  # a full disk, or Ctrl-C mid-write: the previous checkpoint stays as it was
-        tmp.unlink(missing_ok=True)
-        raise
-    os.replace(tmp, path)
-
-
 def _size(path: Path) -> int:
     """A state file's size; 0 for one already gone (a resumed checkpoint's older points need not all exist)."""
     try:
@@ -176,14 +164,12 @@ class CheckpointWriter:
         c = self.ckpt
         c.seq += 1
         name = f"{self.prefix}{c.seq:08d}.safetensors"
-        tmp = self.partial.parent / (name + ".tmp")
-        try:
-            save_safetensors(state_tensors(state), tmp)
-        except Exception as e:  # safetensors reports a full disk as its own error type
-            tmp.unlink(missing_ok=True)
-            code = errno.ENOSPC if "No space left" in str(e) else errno.EIO
-            raise OSError(code, os.strerror(code)) from e
-        os.replace(tmp, self.partial.parent / name)
+        with atomic_path(self.partial.parent / name) as tmp:
+            try:
+                save_safetensors(state_tensors(state), tmp)
+            except Exception as e:  # safetensors reports a full disk as its own error type
+                code = errno.ENOSPC if "No space left" in str(e) else errno.EIO
+                raise OSError(code, os.strerror(code)) from e
         c.points.append(ResumePoint(next_chunk, state.published, name, held_spans(state),
                                     c.published_stretches))
         keep = min(len(c.points), RING)
@@ -194,7 +180,7 @@ class CheckpointWriter:
         c.fold(c.points[0].digests)
         c.bytes_written = self.partial.stat().st_size if self.partial.exists() else 0
         record = {k: v for k, v in asdict(c).items() if k != "expected"}
-        _atomic_write(self.json_path, json.dumps(record).encode())
+        atomic_write(self.json_path, json.dumps(record).encode())  # a full disk or Ctrl-C keeps the previous one
         for point in dropped:  # only after the JSON no longer names them
             (self.partial.parent / point.state_file).unlink(missing_ok=True)
 

@@ -2,13 +2,13 @@
 
 import hashlib
 import json
-import struct
 from dataclasses import replace
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
 from avatar_cli.families.registry import ModelSource
+from avatar_cli.modules.tensor_files import header_length
 from avatar_cli.pipeline.checkpoint import file_digest
 from avatar_cli.spec import Job
 
@@ -42,8 +42,7 @@ def _stamp(h, path: Path) -> None:
     h.update(f"{path.name}:{st.st_size}:{st.st_mtime_ns}".encode())
     if path.suffix == ".safetensors":
         with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            h.update(f.read(min(n, 1 << 24)))
+            h.update(f.read(min(header_length(f.read(8)), 1 << 24)))
 
 
 def model_digest(source: ModelSource) -> str:

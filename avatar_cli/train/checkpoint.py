@@ -8,13 +8,13 @@ counter is the whole RNG state and a resumed run draws exactly what an uninterru
 """
 
 import json
-import os
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
+from avatar_cli.files import atomic_path
 from avatar_cli.modules.module import save_safetensors
 
 CKPT = "train_ckpt.safetensors"
@@ -32,12 +32,10 @@ def save(work_dir: Path, models: dict[str, nn.Module], opt: torch.optim.Optimize
         groups = sd["param_groups"]
     meta = {"state": json.dumps(state), "param_groups": json.dumps(groups)}
     work_dir.mkdir(parents=True, exist_ok=True)
-    tmp = work_dir / (CKPT + ".tmp")
-    save_safetensors(tensors, tmp, metadata=meta)
-    os.replace(tmp, work_dir / CKPT)
-    side = work_dir / "state.json.tmp"
-    side.write_text(json.dumps(state, indent=2) + "\n")
-    os.replace(side, work_dir / "state.json")
+    with atomic_path(work_dir / CKPT) as tmp:
+        save_safetensors(tensors, tmp, metadata=meta)
+    with atomic_path(work_dir / "state.json") as tmp:
+        tmp.write_text(json.dumps(state, indent=2) + "\n")
 
 
 def load(work_dir: Path) -> tuple[dict, dict[str, dict[str, torch.Tensor]], dict | None] | None:

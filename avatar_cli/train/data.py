@@ -23,6 +23,7 @@ from avatar_cli.families.mini.audio import AudioParams, frame_window_starts, log
 from avatar_cli.families.mini.config import FamilyConfig
 from avatar_cli.families.mini.text import tokenize
 from avatar_cli.families.mini.vae import VAE
+from avatar_cli.files import atomic_path
 from avatar_cli.modules.module import save_safetensors
 from avatar_cli.synth import TRAIN_AUDIO_SEEDS, TRAIN_IDENTITY_SEEDS, make_clip, render_reference
 
@@ -150,9 +151,8 @@ def prompt_ids(labels: torch.Tensor, form: str, rng: np.random.Generator, p) -> 
 
 
 def save_clip(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    tmp = path.with_suffix(".tmp")
-    save_safetensors({k: v.contiguous() for k, v in tensors.items()}, tmp)
-    tmp.replace(path)
+    with atomic_path(path) as tmp:
+        save_safetensors({k: v.contiguous() for k, v in tensors.items()}, tmp)
 
 
 def load_clips(paths: list[Path]) -> dict[str, torch.Tensor]:
