@@ -259,7 +259,7 @@ def prompts_encode(
     def action(reporter):
         from avatar_cli.batch import expand_jobs
         from avatar_cli.errors import EXIT_BAD_INPUT, SpecError
-        from avatar_cli.pipeline.text_cache import fill
+        from avatar_cli.prompts.encode import fill
 
         overrides = [a for a in args if "=" in a and not Path(a).exists()]
         job_args = [a for a in args if a not in overrides]

@@ -16,25 +16,25 @@ import numpy as np
 import torch
 
 from avatar_cli.errors import InputError, RenderError
-from avatar_cli.families.base import ParallelPlan, Sampling
+from avatar_cli.families.base import Sampling
 from avatar_cli.media.audio import AudioInfo, AudioWindowReader, probe_audio
 from avatar_cli.media.image import load_image, small_image_warning
 from avatar_cli.media.writer import Mp4Writer, resolve_codec
 from avatar_cli.modules.module import Module
 from avatar_cli.families.registry import ModelSource, check_model, load_modules, resolve_model
 from avatar_cli.pipeline import checkpoint as ckpt
-from avatar_cli.pipeline import text_cache
 from avatar_cli.pipeline.fingerprint import describe_change, job_fingerprint
 from avatar_cli.pipeline.events import ChunkDone, ResumeFrom, Stretch
 from avatar_cli.pipeline.run import Pipeline
 from avatar_cli.pipeline.schedule import choose_transitions, num_frames
 from avatar_cli.pipeline.steps import check_family, choose_parallel, rank_skips
+from avatar_cli.prompts import cache as prompt_cache
 from avatar_cli.report import Reporter, peak_rss_mb
 from avatar_cli.runtime.device import Runtime, cpu_info, dtype_name, resolve_runtime
 from avatar_cli.runtime.distributed import Dist, current_dist, launched_by_torchrun
 from avatar_cli.runtime.numa import bind_to_gpu_node
 from avatar_cli.runtime.offload import Transfer
-from avatar_cli.runtime.placement import Placement, place
+from avatar_cli.runtime.placement import Placement, place, plan_for
 from avatar_cli.spec import Job
 from avatar_cli.stages import decode_worker
 from avatar_cli.stages.decode_worker import DecodeWorker
@@ -134,7 +134,7 @@ def prepare(job: Job, force: bool = False) -> Prepared:
     except ValueError as e:
         raise InputError(f"{job.path}: {e}") from None
     decode_worker.check_setting(job.spec.runtime.decode.value, model.family)
-    text_cache.check_service(job, model)  # a named text service: up and serving this model's encoder, else exit 2
+    prompt_cache.check_service(job, model)  # a named text service: up and serving this model's encoder, else exit 2
     if job.spec.runtime.parallel.value == "steps":
         try:
             check_family(model.family)
@@ -189,13 +189,6 @@ class ModelCache:
             modules.update(more)
             self.loaded[key] = (modules, placement)
         return modules, placement
-
-
-def plan_for(plan: ParallelPlan, names: Collection[str]) -> ParallelPlan:
-    """The family's parallel plan restricted to the components being placed now."""
-    return replace(plan, sharded=tuple(n for n in plan.sharded if n in names),
-                   frame_parallel=tuple(n for n in plan.frame_parallel if n in names),
-                   sequence_parallel=plan.sequence_parallel if plan.sequence_parallel in names else None)
 
 
 def setup_runtime(spec) -> tuple[Runtime, Dist]:
@@ -341,14 +334,14 @@ def _render_locked(p: Prepared, reporter: Reporter, models: ModelCache | None, r
     resume_from = _share_resume(dist, resume_from, runtime)
 
     # A prompt found in the text cache: its encoder is neither loaded nor placed.
-    prompts = text_cache.job_prompts(spec.runtime.text_cache, p.job.path.parent, p.model, runtime.dtype,
+    prompts = prompt_cache.job_prompts(spec.runtime.text_cache, p.job.path.parent, p.model, runtime.dtype,
                                      reporter.info, write=main, service=spec.runtime.text_service)
-    cached = text_cache.ready(prompts, spec.prompt, runtime.device, dist)
+    cached = prompt_cache.ready(prompts, spec.prompt, runtime.device, dist)
     # The timestep pipeline: each rank loads what its role runs and places it alone (nothing is sharded).
     steps = p.parallel == "steps"
     absent = rank_skips(p.model.family, dist.rank) if steps else set()
     modules, placement = (models or ModelCache()).get(p.model, runtime, Dist() if steps else dist, spec.runtime,
-                                                      reporter, skip={*text_cache.skipped(prompts, spec.prompt),
+                                                      reporter, skip={*prompt_cache.skipped(prompts, spec.prompt),
                                                                       *absent})
     pipeline = Pipeline(modules, p.model.family, runtime, placement, prompts=prompts,
                         steps_dist=dist if steps else None, absent=absent)
@@ -442,7 +435,7 @@ def _render_locked(p: Prepared, reporter: Reporter, models: ModelCache | None, r
         "load_s": round(t_render - t_start, 4), "generate_s": round(gen_s, 4),
         "compute_s": {k: round(v, 4) for k, v in stats.compute_s.items()},
         "resumed_at": first_put, "frames_digest": checkpoint.frames_digest, "ranks": dist.world_size,
-        "text_cache": text_cache.outcome(prompts, cached),
+        "text_cache": prompt_cache.outcome(prompts, cached),
         "dtype": dtype_name(runtime.dtype), "dtype_reason": runtime.dtype_reason,
         "cpu_capability": cpu_info().capability,
         "transitions": spec.chunking.transitions,

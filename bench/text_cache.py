@@ -77,7 +77,7 @@ def text_alone(model: str, base: Path) -> None:
 
     sys.path.insert(0, str(ROOT))
     from avatar_cli.families.registry import load_modules, resolve_model
-    from avatar_cli.pipeline.text_cache import prompt_components
+    from avatar_cli.prompts.identity import prompt_components
 
     source = resolve_model(model, base)
     keep = prompt_components(source.family)

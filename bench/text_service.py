@@ -23,7 +23,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from avatar_cli.families.registry import resolve_model  # noqa: E402
-from avatar_cli.pipeline.text_cache import PromptCache, TextCache  # noqa: E402
+from avatar_cli.prompts.cache import PromptCache  # noqa: E402
+from avatar_cli.prompts.store import TextCache  # noqa: E402
 from bench.loadtest import rss_mb, run_load, start_server  # noqa: E402
 from bench.machine import describe  # noqa: E402
 

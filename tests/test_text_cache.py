@@ -14,8 +14,10 @@ import torch
 from avatar_cli import runner
 from avatar_cli.families.mini.family import MiniFamily
 from avatar_cli.families.registry import init_family_dir, load_modules, resolve_model
-from avatar_cli.pipeline import text_cache
-from avatar_cli.pipeline.text_cache import EntryKey, PromptCache, TextCache
+from avatar_cli.prompts import store
+from avatar_cli.prompts.cache import PromptCache
+from avatar_cli.prompts.entry import EntryKey
+from avatar_cli.prompts.store import TextCache
 from avatar_cli.report import QuietReporter
 from avatar_cli.spec import load_job
 from avatar_cli.stages.base import ModelView
@@ -153,7 +155,8 @@ def test_corrupt_entry_is_reported_encoded_again_and_rewritten(tmp_path, tiny_mo
 WRITER = textwrap.dedent("""
     import sys, time, torch
     from pathlib import Path
-    from avatar_cli.pipeline.text_cache import EntryKey, TextCache
+    from avatar_cli.prompts.entry import EntryKey
+    from avatar_cli.prompts.store import TextCache
     folder, value = Path(sys.argv[1]), float(sys.argv[2])
     key = EntryKey("mini", "e" * 64, "t" * 64, "the same prompt", "", "float32")
     cache = TextCache(folder)
@@ -241,14 +244,14 @@ def test_cache_setting_does_not_change_the_job_fingerprint(job_dir, tiny_model):
 
 def test_cache_folder_setting(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert text_cache.cache_folder("auto", tmp_path) == tmp_path / "xdg" / "avatar" / "text"
+    assert store.cache_folder("auto", tmp_path) == tmp_path / "xdg" / "avatar" / "text"
     monkeypatch.setenv("XDG_CACHE_HOME", "relative/ignored")
-    assert text_cache.cache_folder("auto", tmp_path) == Path.home() / ".cache" / "avatar" / "text"
-    assert text_cache.cache_folder("off", tmp_path) is None
-    assert text_cache.cache_folder("False", tmp_path) is None  # YAML's unquoted off, as the spec's string holds it
-    assert text_cache.cache_folder("shared/text", tmp_path / "jobs") == tmp_path / "jobs" / "shared" / "text"
-    with pytest.raises(text_cache.InputError, match="runtime.text_cache"):
-        text_cache.cache_folder(" ", tmp_path)
+    assert store.cache_folder("auto", tmp_path) == Path.home() / ".cache" / "avatar" / "text"
+    assert store.cache_folder("off", tmp_path) is None
+    assert store.cache_folder("False", tmp_path) is None  # YAML's unquoted off, as the spec's string holds it
+    assert store.cache_folder("shared/text", tmp_path / "jobs") == tmp_path / "jobs" / "shared" / "text"
+    with pytest.raises(store.InputError, match="runtime.text_cache"):
+        store.cache_folder(" ", tmp_path)
 
 
 def test_prompts_encode_then_render_does_not_load_the_encoder(jobs, tiny_model):

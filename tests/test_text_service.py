@@ -16,7 +16,10 @@ from avatar_cli import runner
 from avatar_cli.cli import app
 from avatar_cli.errors import InputError, RenderError
 from avatar_cli.families.registry import resolve_model
-from avatar_cli.pipeline.text_cache import PromptCache, TextCache, entry_bytes, load_prompt_step
+from avatar_cli.prompts.cache import PromptCache
+from avatar_cli.prompts.encode import load_prompt_step
+from avatar_cli.prompts.entry import entry_bytes
+from avatar_cli.prompts.store import TextCache
 from avatar_cli.report import QuietReporter
 from avatar_cli.runtime.device import resolve_runtime
 from avatar_cli.service import SCHEMA, TOKEN_ENV
@@ -145,16 +148,16 @@ def test_service_down_is_exit_2_at_validation_and_1_during_a_render(tiny_model, 
 def test_prompts_encode_fills_the_cache_through_the_service(service, tiny_model, jobs, monkeypatch):
     """`avatar prompts encode` asks the jobs' text service, as their renders would: this host loads no text
     encoder, and the entries it writes are the ones a render then hits."""
-    from avatar_cli.pipeline import text_cache
+    from avatar_cli.prompts import encode
 
     def no_local_encoder(*_):
         raise AssertionError("the text encoder was loaded here")
 
     job = write_job(jobs, "fill", tiny_model, service.url, "cache")
     with monkeypatch.context() as m:
-        m.setattr(text_cache, "_encode_all", no_local_encoder)
-        first = text_cache.fill([job], [], lambda _: None)
-        again = text_cache.fill([job], [], lambda _: None)
+        m.setattr(encode, "_encode_all", no_local_encoder)
+        first = encode.fill([job], [], lambda _: None)
+        again = encode.fill([job], [], lambda _: None)
     assert (first.new, first.fetched, first.cached, first.bad) == (1, 1, 0, [])
     assert (again.new, again.fetched, again.cached) == (0, 0, 1)
     key = key_for(tiny_model, jobs / "cache", "smiling calm")
@@ -163,8 +166,8 @@ def test_prompts_encode_fills_the_cache_through_the_service(service, tiny_model,
     # The service down: the error a render would get, naming the URL; with fallback, encoded here instead.
     down = closed_url()
     with pytest.raises(RenderError, match=down.replace(".", r"\.")):
-        text_cache.fill([write_job(jobs, "down", tiny_model, down, "cache2")], [], lambda _: None)
-    fell_back = text_cache.fill([write_job(jobs, "fb", tiny_model, down, "cache3", fallback=True)], [], lambda _: None)
+        encode.fill([write_job(jobs, "down", tiny_model, down, "cache2")], [], lambda _: None)
+    fell_back = encode.fill([write_job(jobs, "fb", tiny_model, down, "cache3", fallback=True)], [], lambda _: None)
     assert (fell_back.new, fell_back.fetched) == (1, 0)
 
 

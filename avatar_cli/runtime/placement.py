@@ -20,8 +20,8 @@ so the whole placement runs on the CPU with the CPU standing in for the GPU.
 
 import contextlib
 import logging
-from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Collection, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -89,6 +89,13 @@ def resident_bytes(model: torch.nn.Module, world_size: int, reshard: str) -> int
         return total // world_size + total
     largest_block = max(model_bytes(b) for b in model.blocks)
     return total // world_size + 2 * largest_block
+
+
+def plan_for(plan: ParallelPlan, names: Collection[str]) -> ParallelPlan:
+    """The family's parallel plan restricted to the components being placed now."""
+    return replace(plan, sharded=tuple(n for n in plan.sharded if n in names),
+                   frame_parallel=tuple(n for n in plan.frame_parallel if n in names),
+                   sequence_parallel=plan.sequence_parallel if plan.sequence_parallel in names else None)
 
 
 def place(modules: Mapping[str, Module], runtime: Runtime, dist: Dist, offload: str = "auto",

@@ -1,7 +1,7 @@
 """The client of `avatar serve text`: what a render asks when its text cache lacks a prompt.
 
 Nothing it receives is trusted: the health must name this job's encoder, tokenizer and dtype, and an encoding
-must be a text-cache entry for exactly this job's key (pipeline/text_cache.verify: the key's fields and the
+must be a text-cache entry for exactly this job's key (prompts/entry.verify: the key's fields and the
 data digest in its safetensors metadata). Anything else is garbage, said with the URL.
 
 Retries: connection errors, timeouts and 5xx answers are tried again, `retries` more times, after 0.25 s,
@@ -18,7 +18,7 @@ import httpx
 import torch
 
 from avatar_cli.errors import InputError
-from avatar_cli.pipeline.text_cache import EntryKey, metadata, verify
+from avatar_cli.prompts.entry import EntryKey, metadata, verify
 from avatar_cli.service import SCHEMA, TOKEN_ENV
 
 BACKOFF_S = 0.25  # the first retry's wait; each further one waits twice as long

@@ -39,7 +39,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from avatar_cli.errors import InputError, RenderError
 from avatar_cli.families.registry import ModelSource, check_model, resolve_model
-from avatar_cli.pipeline.text_cache import EntryKey, encoder_dtype, entry_bytes, identity, load_prompt_step
+from avatar_cli.prompts.encode import load_prompt_step
+from avatar_cli.prompts.entry import EntryKey, entry_bytes
+from avatar_cli.prompts.identity import encoder_dtype, entry_key, identity
 from avatar_cli.runtime.device import Runtime, dtype_name, resolve_runtime
 from avatar_cli.service import SCHEMA, TOKEN_ENV
 
@@ -72,7 +74,8 @@ class Encoder:
         if self.identity is None:
             raise InputError(f"the {self.family.name} family declares no prompt identity: its encodings cannot be "
                              "served (nothing could tell a job's encoder from another's)")
-        self.dtype = dtype_name(encoder_dtype(self.family, runtime.dtype))
+        self.encoder_dtype = encoder_dtype(self.family, runtime.dtype)
+        self.dtype = dtype_name(self.encoder_dtype)
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="text-encoder")
 
     @property
@@ -80,8 +83,7 @@ class Encoder:
         return self.identity[2]
 
     def key(self, prompt: str) -> EntryKey:
-        encoder, tokenizer, negative = self.identity
-        return EntryKey(self.family.name, encoder, tokenizer, prompt, negative, self.dtype)
+        return entry_key(self.family, self.identity, prompt, self.encoder_dtype)
 
     def health(self) -> dict[str, str]:
         return {"schema": SCHEMA, "family": self.family.name, "model": self.source.name,

@@ -2,25 +2,24 @@
 frames the chunk is given (the family builds them)."""
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from avatar_cli.families.base import AudioSource, Chunk, Family, RollingState
+from avatar_cli.families.base import Chunk, Family, RollingState
+from avatar_cli.media.source import AudioSource
 from avatar_cli.modules.module import Module
+from avatar_cli.prompts.cache import PromptCache
 from avatar_cli.runtime.device import Runtime
 from avatar_cli.stages.base import ModelView, Stage
 
-if TYPE_CHECKING:
-    from avatar_cli.pipeline.text_cache import PromptCache
-
 
 class PromptEncode(Stage):
-    """prompts: the text cache (pipeline/text_cache.py PromptCache), or None to encode every time. When the
+    """prompts: the text cache (prompts/cache.py PromptCache), or None to encode every time. When the
     runner found the job's prompt there it did not load the encoder: this stage then needs nothing."""
 
     step = "prompt"
 
     def __init__(self, family: Family, modules: Mapping[str, Module], runtime: Runtime,
-                 prompts: "PromptCache | None" = None):
+                 prompts: PromptCache | None = None):
         self.prompts = prompts
         if prompts is not None and any(n not in modules for n in family.needs.get(self.step, ())):
             # Not loaded: the runner found the prompt in the cache. Nothing to bring onto the device.

@@ -1,0 +1,33 @@
+"""What names a model's prompt encodings: its identity (encoder and tokenizer digests, negative prompt), the dtype
+its encoder runs in, and the components only the prompt step uses."""
+
+import torch
+
+from avatar_cli.families.base import Family
+from avatar_cli.families.source import ModelSource
+from avatar_cli.prompts.entry import EntryKey
+
+
+def identity(source: ModelSource) -> tuple[str, str, str] | None:
+    """What makes the source's prompt encodings equal (encoder digest, tokenizer digest, negative prompt): its
+    family spec's prompt identity; None when the family declares none (its prompts are then never cached)."""
+    of = source.spec.prompt_identity
+    return of(source) if of is not None else None
+
+
+def prompt_components(family: Family) -> tuple[str, ...]:
+    """The components only the prompt step uses: what a job whose prompt is cached need not load."""
+    others = {n for step, names in family.needs.items() if step != "prompt" for n in names}
+    return tuple(n for n in family.needs.get("prompt", ()) if n not in others)
+
+
+def encoder_dtype(family: Family, dtype: torch.dtype) -> torch.dtype:
+    """The dtype the prompt step's components run in (placement keeps the family's float32 ones float32)."""
+    names = family.needs.get("prompt", ())
+    return torch.float32 if names and all(n in family.parallel.float32 for n in names) else dtype
+
+
+def entry_key(family: Family, ident: tuple[str, str, str], prompt: str, dtype: torch.dtype) -> EntryKey:
+    """The cache key of `prompt` encoded by a model of this identity, its encoder running in `dtype`."""
+    encoder, tokenizer, negative = ident
+    return EntryKey(family.name, encoder, tokenizer, prompt, negative, str(dtype).removeprefix("torch."))
