@@ -1,4 +1,4 @@
-"""The CPU speed levers of issue 15, each measured alone in one process (median of repeats), so their effects
+"""The CPU speed levers (docs/speed.md), each measured alone in one process (median of repeats), so their effects
 compare as ratios on whatever machine runs this. Writes a section to bench/results.md.
 
     python bench/cpu_levers.py [--compile]          # --compile adds torch.compile (cold compile ~20 s)

@@ -1,4 +1,4 @@
-"""runtime.decode: worker vs inline on this machine (issue 16 §3): wall time, realtime factor and peak RSS of both
+"""runtime.decode: worker vs inline on this machine: wall time, realtime factor and peak RSS of both
 processes, for the sample job and a longer one (the sample speech looped), medians of --repeats.
 
 Each render is its own CLI process started from this lean parent (`avatar render JOB --json --force
@@ -121,7 +121,7 @@ def section(args: argparse.Namespace, rows: list[tuple], started: datetime.datet
     repeats = f"{args.repeats}" if args.long_repeats is None else f"{args.repeats} (long job: {args.long_repeats})"
     long = "" if args.long_repeats is None else f" --long-repeats {args.long_repeats}"
     lines = [
-        f"## Decode worker vs inline (issue 16 §3), {started:%Y-%m-%d %H:%M} UTC", "",
+        f"## Decode worker vs inline, {started:%Y-%m-%d %H:%M} UTC", "",
         f"- machine: {cpu_model()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, no GPU; load average "
         f"{load_before[0]:.1f} before, {load_after[0]:.1f} after (1 min; the cores are shared with other work)",
         f"- command: `python bench/decode_worker.py --repeats {args.repeats} --long-s {args.long_s:g}{long}`: each "

@@ -1,14 +1,14 @@
 """The wan-s2v streaming mode (LiveAvatar) at full size, on paper: fps, per-rank memory and time to first frame of
-one GPU, the timestep pipeline (runtime.parallel: steps) and sequence parallel, for the README.
+one GPU, the timestep pipeline (runtime.parallel: steps) and sequence parallel (bench/results.md records them).
 
     python bench/live_budget.py [--util 0.4] [--sp-util 0.35]
 
 Shapes: Wan2.2-S2V-14B (40 layers, dim 5120, FFN 13824, 40 heads, text_len 512, 12 audio injectors) at 704x384
 (latent 48x88, P = 1056 tokens a latent frame); a block is 3 latent frames (L = 3168 tokens, 12 video frames) and
-attends to a full ring (12 latent frames) plus the sink (2640 tokens) after the first clip (fact sheet §6.8).
+attends to a full ring (12 latent frames) plus the sink (2640 tokens) after the first clip (causal.py's docstring).
 FLOPs are counted by formula (matmuls and attention; norms, RoPE and elementwise ops left out, < 1 %). Peaks:
 989 TFLOP/s dense bf16 and 1979 FP8 (H100/H800 SXM); utilisation is an assumption, given on the command line.
-The VAE decode per block is scaled from the README's 480p figure (252.9 TFLOP for 20 latents at 832x448, TF32
+The VAE decode per block is scaled from bench/wan_budget.py's 480p figure (252.9 TFLOP for 20 latents at 832x448, TF32
 at 40 % of 494.7 TFLOP/s: 1.28 s) by latents and pixels; bf16 halves it. Nothing here ran on a GPU.
 """
 
@@ -24,7 +24,7 @@ NVLINK = 450e9  # bytes/s one way per GPU (NVLink 4), for the all-to-alls
 A2A_LATENCY = 25e-6
 BYTES = {"bf16": 2, "fp8": 1}
 VAE_480P_FLOPS, VAE_480P_S = 252.9e12, 1.28
-DIT_GB = 32.6  # bf16 weights (README memory budget); FP8 halves the linears' share
+DIT_GB = 32.6  # bf16 weights (bench/wan_budget.py); FP8 halves the linears' share
 RING_GB = LAYERS * RING * D * 2 * 2 / 1e9  # k and v, bf16: 10.38
 SINK_GB = LAYERS * SINK * D * 2 * 2 / 1e9  # 2.16
 DECODER_CACHE_GB = 2.56

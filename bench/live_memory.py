@@ -1,4 +1,4 @@
-"""Memory over length (issues 13 §5, 14 §2): peak RSS of a long render over a short one, for the tiny wan-s2v model in
+"""Memory over length: peak RSS of a long render over a short one, for the tiny wan-s2v model in
 clip mode (the official clip loop) or streaming mode (LiveAvatar's blocks), or the shipped mini's sample job.
 
 Each render runs in its own process: the whole runner as `avatar render` runs it (audio reader, audio features, the
@@ -28,7 +28,7 @@ The allocator (glibc's malloc):
   --allocator glibc: glibc's dynamic thresholds, as a process starts without the variable.
   --trim-each-chunk: malloc_trim(0) in the render after each chunk's event (every free page of the heaps released,
         holes below live blocks included).
-Measured figures: bench/results.md, "Memory over length, clip and streaming modes (issues 13, 14)".
+Measured figures: bench/results.md, "Memory over length, clip and streaming modes".
 
     nice -n 19 .venv/bin/python bench/live_memory.py [--mode clip|streaming|mini] [--long-s S] [--short-s S]
         [--allocator env|glibc] [--mmap-threshold BYTES] [--trim-each-chunk] [--sample-s 0.2] [KEY=VALUE ...]

@@ -1,4 +1,4 @@
-"""Host memory of loading a wan-s2v DiT checkpoint FSDP2-sharded over 2 gloo ranks (issue 13 §3).
+"""Host memory of loading a wan-s2v DiT checkpoint FSDP2-sharded over 2 gloo ranks.
 
 Writes a random checkpoint of the WanS2VDiT architecture in the release's layout (4 bf16 shards
 `diffusion_pytorch_model-0000{1..4}-of-00004.safetensors` + `diffusion_pytorch_model.safetensors.index.json`, the
@@ -235,7 +235,7 @@ def main() -> int:
         m = describe()
         cmd = " ".join(["python bench/load_memory.py", *sys.argv[1:]])
         how = "; EAGER: every rank reads the whole checkpoint" if args.eager else ""
-        section = (f"\n## Loading memory (issue 13 §3), {datetime.now():%Y-%m-%d %H:%M}\n\n"
+        section = (f"\n## Loading memory, {datetime.now():%Y-%m-%d %H:%M}\n\n"
                    f"- machine: {m['cpu']}, {m['cores']} CPU cores, torch {m['torch']}\n"
                    f"- command: `{cmd}` ({rows[0]['params']:,} parameters, bf16, 4 shards; page cache "
                    f"{args.cache}; 2 gloo ranks, 1 thread each{how})\n\n{table(rows)}\n\n"

@@ -1,4 +1,4 @@
-"""Text-encoding cache (issue 16 §1): a render's load time and peak RSS with a cold vs a warm text cache.
+"""Text-encoding cache: a render's load time and peak RSS with a cold vs a warm text cache.
 
 Models: the tiny wan-s2v model (`init_family_dir(d, "tiny", family="wan-s2v")`, 64 x 64, 2 steps), the shipped
 mini model, and mini's tiny size with its text encoder made big (dim 1024, 16 blocks: 806 MB of fp32 weights), so
@@ -10,7 +10,7 @@ medians of `load_s` (render start to the first stage: models loaded and placed, 
 and `wall_s` from the `done` event, and checks that all runs give the same `frames_digest`. It also loads each
 model's text component alone, for its bytes and load time.
 
-The release's umT5-XXL is given on paper: 5,680,910,336 params x 2 B bf16 = 11.36 GB (fact sheet §1), never read
+The release's umT5-XXL is given on paper: 5,680,910,336 params x 2 B bf16 = 11.36 GB (the release's models_t5_umt5-xxl-enc-bf16.pth), never read
 when the prompt is cached.
 
     python bench/text_cache.py [--repeats 3] [--audio-s 1] [--append]
@@ -29,7 +29,7 @@ from pathlib import Path
 # starts (ru_maxrss survives fork and exec), so a heavy parent would raise every render's `peak_rss_mb` to its
 # own. The models are written, and the text encoders loaded alone, in helper processes (--prepare, --text-alone).
 ROOT = Path(__file__).resolve().parent.parent
-UMT5_XXL_PARAMS = 5_680_910_336  # fact sheet §1, measured from the release's .pth
+UMT5_XXL_PARAMS = 5_680_910_336  # counted from the release's .pth
 
 
 def job_file(folder: Path, name: str, model: str, extra: str) -> Path:
@@ -144,7 +144,7 @@ def main() -> None:
 
     when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
-        f"## Text-encoding cache (issue 16 §1), {when}",
+        f"## Text-encoding cache, {when}",
         "",
         f"- machine: {m['cpu']}, {m['cores']} CPU cores, torch {m['torch']}, no GPU",
         f"- command: `python bench/text_cache.py --repeats {args.repeats} --audio-s {args.audio_s:g} --append`: "
@@ -163,7 +163,7 @@ def main() -> None:
     lines += [
         "",
         f"On paper, the release: a warm cache leaves the umT5-XXL encoder unread, {UMT5_XXL_PARAMS:,} params x 2 B "
-        f"= {gb:.2f} GB bf16 (fact sheet §1) not loaded, not placed and not held in host or GPU memory, per render "
+        f"= {gb:.2f} GB bf16 (the release's umT5 .pth) not loaded, not placed and not held in host or GPU memory, per render "
         "process (sharded over 8 GPUs: each rank's shard plus the embedding root it keeps gathered, "
         "bench/wan_budget.py).",
         "",

@@ -1,4 +1,4 @@
-"""Text-encoder service (issue 16 §2): `avatar serve text` under a bounded load on loopback.
+"""Text-encoder service: `avatar serve text` under a bounded load on loopback.
 
 The service runs in its own process (`avatar serve text MODEL --port 0 --dtype float32 --threads 1`: one torch
 thread, as a small encoder answers fastest on a busy CPU); 8 client threads,
@@ -53,7 +53,7 @@ def main() -> None:
     command = (f"python bench/text_service.py --model {args.model} --requests {args.requests} --threads {args.threads} "
                f"--server-threads {args.server_threads}")
     section = "\n".join([
-        f"## Text-encoder service (issue 16 §2), {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC",
+        f"## Text-encoder service, {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC",
         "",
         f"- machine: {m['cpu']}, {m['cores']} CPU cores, torch {m['torch']}, no GPU",
         f"- command: `{command}`: `avatar serve text {args.model} --port 0 --dtype float32 --threads "

@@ -1,13 +1,13 @@
-"""Wan2.2-S2V-14B on paper, from the real module shapes (issue 13 §6): bytes per component, activations and FLOPs
+"""Wan2.2-S2V-14B on paper, from the real module shapes: bytes per component, activations and FLOPs
 of one 480p clip's DiT forward, what fits where on 8 x 80 GB and 8 x 24 GB, and the expected time per clip.
 
-    python bench/wan_budget.py      # a few seconds on a CPU; prints the tables README.md's memory budget quotes
+    python bench/wan_budget.py      # seconds on a CPU; prints the tables bench/results.md records
 
 Every figure is computed here, on the meta device (no weights, no GPU):
 - parameter bytes: each model built on meta and its parameters counted (DiT and umT5 in bf16, VAE and wav2vec2 in
   fp32, the dtypes the official code runs them in);
 - FLOPs: torch's FlopCounterMode (avatar_cli/runtime/flops.py: 2 per multiply-add, matmuls, convolutions and the
-  attention's two matmuls) over a meta forward with fact sheet §3.6's shapes, checked against §7's closed formula;
+  attention's two matmuls) over a meta forward with one 480p clip's shapes, checked against a closed formula (formula_flops);
 - activation peak: `LiveBytes`, the most bytes held at once by the tensors a meta forward allocates (weights and
   inputs excluded), with every attention taken as a fused kernel (output and logsumexp, no N x N scores), as flash
   attention runs on a GPU. The CUDA caching allocator rounds blocks up, so `bench/gpu_check.py --sections wan`
@@ -62,9 +62,9 @@ class Clip:
         return self.lat_h * 8, self.lat_w * 8
 
 
-CLIP_480P = Clip(frames=20, lat_h=56, lat_w=104, text_tokens=128)  # fact sheet §3.6: 448x832, 80 frames
+CLIP_480P = Clip(frames=20, lat_h=56, lat_w=104, text_tokens=128)  # 448x832, 80 frames
 CLIP_TINY = Clip(frames=1, lat_h=8, lat_w=8, text_tokens=8)  # FramePack needs latent sides divisible by 8
-MOTION_LATENTS = 19  # 73 motion frames -> 19 latents (fact sheet §2.3)
+MOTION_LATENTS = 19  # 73 motion frames -> 19 latents (the official (73 + 3) // 4)
 
 
 def dit_inputs(p: WanDiTParams, clip: Clip, device: torch.device | str,
@@ -130,7 +130,7 @@ def dit_flops(model: WanS2VDiT, inputs: dict) -> dict[str, float]:
 
 
 def formula_flops(p: WanDiTParams, n: int, noisy: int, frames: int) -> float:
-    """Fact sheet §7's closed form of one forward's matmul FLOPs (2 per multiply-add): per block self-attention
+    """The closed form of one forward's matmul FLOPs (2 per multiply-add): per block self-attention
     q, k, v, o on n tokens plus scores and values (4 n^2 D), text cross-attention q, o on n tokens and k, v on
     text_len plus its scores (4 n L D), the FFN; per injector q, o on the noisy tokens and k, v on 5 audio tokens
     per frame plus its scores; the text and time embedders and the head. The audio convs and patch convs are
@@ -295,7 +295,7 @@ def one_clip(w: dict) -> dict:
     ]))
     print(f"\nFLOPs per forward (FlopCounterMode on meta): {fl['total'] / 1e15:.3f} PFLOP (attention "
           f"{100 * fl['attention'] / fl['total']:.0f} %, Linears and convs {100 * fl['linear_conv'] / fl['total']:.0f} "
-          f"%, of which the injectors {fl['injectors'] / 1e15:.3f} PFLOP); fact sheet §7 formula "
+          f"%, of which the injectors {fl['injectors'] / 1e15:.3f} PFLOP); closed formula "
           f"{formula / 1e15:.3f} PFLOP ({100 * (formula / fl['total'] - 1):+.2f} %); clip 0 {fl0['total'] / 1e15:.3f} "
           "PFLOP")
     vp = WanVAEParams.full()
