@@ -85,6 +85,7 @@ def run_batch(jobs: list[Path], overrides: list[str], output: str | None, force:
     otherwise, for a batch; a single job gives no summary).
     """
     from avatar_cli import runner
+    from avatar_cli.job import check_output, resolve
     from avatar_cli.pipeline.fingerprint import job_fingerprint
     from avatar_cli.runtime.distributed import launched_by_torchrun
     from avatar_cli.spec import load_job
@@ -100,17 +101,18 @@ def run_batch(jobs: list[Path], overrides: list[str], output: str | None, force:
         rendering = False
         try:
             job = load_job(path, overrides, output)
+            prepared = resolve(job, force=True)  # resolved once; an existing output is looked at next
             if job.output.exists() and not force:
-                source = runner.resolve_model(job.model, job.path.parent)
-                if is_complete(job.output, runner.output_tag(job_fingerprint(job, source))):
+                tag = runner.output_tag(job_fingerprint(prepared.job, prepared.model))
+                if is_complete(job.output, tag):
                     reporter.skipped(str(path), str(job.output), "already rendered from this job (--force to redo)")
                     results.append(JobResult(str(path), "skipped", time.perf_counter() - t0, output=str(job.output)))
                     continue
-            prepared = runner.prepare(job, force=force)
+                check_output(job.output, force)  # not this job's finished render: --force replaces it
             rendering = True
             # A rerun continues an interrupted render of the same job; --resume also refuses to discard one
             # of a changed job; --force starts over.
-            mode = "never" if force else "strict" if resume else "auto"
+            mode = runner.Resume.never if force else runner.Resume.strict if resume else runner.Resume.auto
             summary = runner.render(prepared, reporter, models, resume=mode)
             reporter.done(summary)
             results.append(JobResult(str(path), "done", time.perf_counter() - t0, output=summary["output"]))

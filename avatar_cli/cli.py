@@ -172,11 +172,11 @@ def validate(job: JobArg, overrides: OverridesArg = None, output: OutputOpt = No
              json: JsonOpt = None, debug: DebugOpt = False) -> None:
     """Check a job spec and open its inputs, without loading models."""
     def action(reporter):
-        from avatar_cli import runner
+        from avatar_cli.job import resolve
         from avatar_cli.spec import load_job
 
         j = load_job(job, overrides, output)
-        p = runner.prepare(j, force=True)  # an existing output is render's business (--force), not validity
+        p = resolve(j, force=True)  # an existing output is render's business (--force), not validity
         warnings = p.warnings
         info = {"event": "valid", "job": str(j.path), "reference": str(j.reference),
                 "reference_size": [int(p.image.shape[1]), int(p.image.shape[0])], "audio": str(j.audio),

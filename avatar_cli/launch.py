@@ -45,25 +45,18 @@ def check_rank_count(jobs: list, overrides: list[str], output: str | None, nproc
     Jobs that don't load are left to the workers, which report them as one process would.
     """
     from avatar_cli.errors import AvatarError, InputError
-    from avatar_cli.families.registry import resolve_model, with_mode
-    from avatar_cli.pipeline.steps import choose_parallel
-    from avatar_cli.families.base import check_degree
+    from avatar_cli.job import resolve_parallel, resolve_source
     from avatar_cli.spec import load_job
 
     for path in jobs:
         try:
             job = load_job(path, overrides, output)
-            source = resolve_model(job.model, job.path.parent)
-            if job.spec.mode != source.mode:
-                source = with_mode(source, job.spec.mode)
+            source = resolve_source(job)
         except AvatarError:
             continue
         try:
-            family = source.family
-            how, _ = choose_parallel(job.spec.runtime.parallel.value, family, job.spec.sampling.steps, nproc)
-            if how != "steps":  # the timestep pipeline splits no head
-                check_degree(family.parallel.sp_heads, nproc)
-        except ValueError as e:
+            resolve_parallel(job, source, nproc)
+        except InputError as e:
             raise InputError(f"{path}: {e}" if len(jobs) > 1 else str(e)) from None
 
 

@@ -1,106 +1,55 @@
-"""What the CLI commands run: check a job's inputs, then render it to a finished MP4; or a batch of jobs.
+"""Render one resolved job to a finished MP4: runtime, resume, load and place, run the pipeline, commit the file.
 
-Everything that can be checked without loading a model is checked first (`prepare`), so bad
-input fails in well under a second, with exit code 2 and nothing written at the output path.
+Everything that can be checked without loading a model is checked first (avatar_cli/job.py `resolve`, which this
+module also exports as `prepare`), so bad input fails in well under a second, with exit code 2 and nothing
+written at the output path.
 """
 
 import errno
 import os
-import shutil
 import time
 from collections.abc import Collection
 from dataclasses import dataclass, field, replace
+from enum import Enum
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from avatar_cli.errors import InputError, RenderError
-from avatar_cli.families.base import Sampling
-from avatar_cli.media.audio import AudioInfo, AudioWindowReader, probe_audio
-from avatar_cli.media.image import load_image, small_image_warning
+from avatar_cli.families.registry import ModelSource, load_modules
+from avatar_cli.job import ResolvedJob, Split, check_disk, check_output, resolve
+from avatar_cli.media.audio import AudioWindowReader
 from avatar_cli.media.writer import Mp4Writer, resolve_codec
 from avatar_cli.modules.module import Module
-from avatar_cli.families.registry import ModelSource, check_model, load_modules, resolve_model
 from avatar_cli.pipeline import checkpoint as ckpt
 from avatar_cli.pipeline.fingerprint import describe_change, job_fingerprint
 from avatar_cli.pipeline.events import ChunkDone, ResumeFrom, Stretch
 from avatar_cli.pipeline.run import Pipeline
-from avatar_cli.pipeline.schedule import choose_transitions, num_frames
-from avatar_cli.pipeline.steps import check_family, choose_parallel, rank_skips
+from avatar_cli.pipeline.steps import rank_skips
 from avatar_cli.prompts import cache as prompt_cache
 from avatar_cli.report import Reporter, peak_rss_mb
-from avatar_cli.runtime.device import Runtime, cpu_info, dtype_name, resolve_runtime
+from avatar_cli.runtime.device import Runtime, cpu_info, dtype_name, resolve_runtime, set_cpu_threads
 from avatar_cli.runtime.distributed import Dist, current_dist, launched_by_torchrun
 from avatar_cli.runtime.numa import bind_to_gpu_node
 from avatar_cli.runtime.offload import Transfer
 from avatar_cli.runtime.placement import Placement, place, plan_for
-from avatar_cli.spec import Job
-from avatar_cli.stages import decode_worker
 from avatar_cli.stages.decode_worker import DecodeWorker
+from avatar_cli.spec import Decode
 from avatar_cli.stages.publish import Publisher
 
-# Bits per pixel that H.264 at a given crf rarely exceeds on this content; only sizes the disk check.
-_BPP_AT_CRF20 = 0.3
+__all__ = ["ModelCache", "ResolvedJob", "Resume", "check_output", "prepare", "render", "setup_runtime"]
+
+# What the tests, the bench and the batch call: a job resolved once (avatar_cli/job.py), then rendered.
+prepare = resolve
+Prepared = ResolvedJob
 
 
-@dataclass
-class Prepared:
-    job: Job
-    image: np.ndarray  # (H, W, 3) uint8, as decoded
-    audio: AudioInfo
-    model: ModelSource
-    frames: int
-    size: tuple[int, int]  # output (width, height)
-    gen_size: tuple[int, int]  # (width, height) the family generates at (the reference is fitted to it)
-    parallel: str = "single"  # how the ranks split the work: single | sequence | steps (pipeline/steps.py)
+class Resume(str, Enum):
+    """What render does with an interrupted render of the same job."""
 
-    @property
-    def duration_s(self) -> float:
-        return self.frames / self.job.spec.video.fps
-
-    @property
-    def warnings(self) -> list[str]:
-        """Input that renders, but not well: said before rendering (and by validate)."""
-        notes = [small_image_warning(self.image, self.job.reference, min(self.gen_size))]
-        over = self.model.family.prompt_overflow(self.job.spec.prompt)
-        if over is not None:
-            notes.append(f"warning: prompt: {over[0]} tokens; the {self.model.family.name} family's text encoder "
-                         f"reads the first {over[1]} and ignores the rest")
-        return [n for n in notes if n]
-
-    def estimated_bytes(self) -> int:
-        """A generous estimate of the output's size, from the bitrate the quality setting implies."""
-        w, h = self.size
-        bpp = _BPP_AT_CRF20 * 2 ** ((20 - self.job.spec.video.crf) / 6)  # x264: +6 crf halves the bitrate
-        video = w * h * self.job.spec.video.fps * bpp * self.duration_s / 8
-        audio = 128_000 * self.duration_s / 8
-        return int(video + audio) + (1 << 20)
-
-
-def check_output(output: Path, force: bool) -> None:
-    if output.is_dir():
-        raise InputError(f"output: {output} is a folder; give a .mp4 file path")
-    if output.exists() and not force:
-        raise InputError(f"output: {output} already exists; pass --force to replace it")
-    # The folder may not exist yet (render creates it): check the nearest existing ancestor instead.
-    folder = output.parent
-    while not folder.exists():
-        folder = folder.parent
-    if not folder.is_dir():
-        raise InputError(f"output: cannot create a folder under {folder}: it is a file")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise InputError(f"output: folder {folder} is not writable")
-
-
-def check_disk(p: "Prepared") -> None:
-    folder = p.job.output.parent
-    while not folder.exists():
-        folder = folder.parent
-    need, free = 2 * p.estimated_bytes(), shutil.disk_usage(folder).free
-    if free < need:
-        raise InputError(f"output: not enough disk space in {folder}: {free / 2**20:.1f} MB free, "
-                         f"this {p.duration_s:.0f} s video needs about {need / 2**20:.1f} MB")
+    never = "never"  # start over (--force)
+    auto = "auto"  # continue it if its checkpoint is there, else start over (a plain rerun)
+    strict = "strict"  # continue it, and refuse to discard a checkpoint of a changed job (--resume)
 
 
 def make_output_folder(output: Path) -> None:
@@ -108,46 +57,6 @@ def make_output_folder(output: Path) -> None:
         output.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise InputError(f"output: cannot create folder {output.parent} ({e.strerror})") from None
-
-
-def prepare(job: Job, force: bool = False) -> Prepared:
-    """Open and check every input without loading models."""
-    image = load_image(job.reference, "reference")
-    audio = probe_audio(job.audio, "audio")
-    fps = job.spec.video.fps
-    frames = num_frames(audio.samples, audio.sample_rate, fps)
-    if frames == 0:
-        raise InputError(f"audio: {job.audio}: {audio.duration_s * 1000:.1f} ms is shorter than one frame at {fps:g} fps")
-    model = resolve_model(job.model, job.path.parent)
-    check_model(model)
-    if job.spec.mode != model.mode:
-        from avatar_cli.families.registry import with_mode
-
-        model = with_mode(model, job.spec.mode)
-    if job.lora is not None:  # its headers against the DiT built on meta: a wrong file is exit 2 before any load
-        from avatar_cli.families.registry import with_lora
-
-        model = with_lora(model, job.lora, job.spec.lora_rank, job.spec.lora_scale)
-    sp = job.spec.sampling
-    try:  # a setting this family cannot render is a spec error, before any model loads
-        model.family.check_job(job.spec.chunking, Sampling(sp.steps, sp.guidance, sp.shift))
-    except ValueError as e:
-        raise InputError(f"{job.path}: {e}") from None
-    decode_worker.check_setting(job.spec.runtime.decode.value, model.family)
-    prompt_cache.check_service(job, model)  # a named text service: up and serving this model's encoder, else exit 2
-    if job.spec.runtime.parallel.value == "steps":
-        try:
-            check_family(model.family)
-        except ValueError as e:
-            raise InputError(f"{job.path}: {e}") from None
-    check_output(job.output, force)
-    v = job.spec.video
-    requested = (v.width, v.height) if v.width else None
-    try:
-        gen_size = model.family.frame_size((image.shape[1], image.shape[0]), requested)
-    except ValueError as e:
-        raise InputError(f"{job.path}: {e}") from None
-    return Prepared(job, image, audio, model, frames, requested or gen_size, gen_size)
 
 
 @dataclass
@@ -191,14 +100,19 @@ class ModelCache:
         return modules, placement
 
 
-def setup_runtime(spec) -> tuple[Runtime, Dist]:
-    """Device, dtype and (under torchrun) the process group; on a GPU, bind to its NUMA node first.
+def setup_runtime(spec, runtime: Runtime | None = None) -> tuple[Runtime, Dist]:
+    """The job's runtime (resolved with the job; resolved here when not given) on this rank's device, and (under
+    torchrun) the process group; on a GPU, bind to its NUMA node first. Which CUDA device a rank drives is known
+    only now, in the process that renders.
 
     The binding comes before the process group: NCCL, initialized eagerly for our device, allocates its
     own pinned host buffers, and those too should sit on the GPU's node.
     """
     rt = spec.runtime
-    runtime = resolve_runtime(rt.device.value, rt.dtype.value, rt.threads)
+    if runtime is None:
+        runtime = resolve_runtime(rt.device.value, rt.dtype.value, rt.threads)
+    elif not runtime.is_cuda:
+        set_cpu_threads(rt.threads)  # this job's count, whatever another job resolved since
     if runtime.is_cuda:
         index = int(os.environ["LOCAL_RANK"]) if launched_by_torchrun() else torch.cuda.current_device()
         if index >= torch.cuda.device_count():
@@ -212,7 +126,7 @@ def setup_runtime(spec) -> tuple[Runtime, Dist]:
     return runtime, dist
 
 
-def _resume_point(p: Prepared, fingerprint: dict[str, str], reporter: Reporter, strict: bool):
+def _resume_point(p: ResolvedJob, fingerprint: dict[str, str], reporter: Reporter, strict: bool):
     """Read the checkpoint an interrupted render left, and pick where to continue (None: start over).
 
     A checkpoint of another job (its spec, inputs or model changed since) is discarded with a note, or,
@@ -260,9 +174,7 @@ def _resume_point(p: Prepared, fingerprint: dict[str, str], reporter: Reporter, 
     found.points = [pt for pt in found.points if pt.published <= point.published]
     reporter.info(f"resume: {on_disk} frames were on disk; copying {copy_to}, generating again from frame "
                   f"{point.published} of {p.frames}")
-    rs = p.job.spec.runtime
-    rt = resolve_runtime(rs.device.value, rs.dtype.value, rs.threads)
-    state = ckpt.load_state(partial, point, rt.device)
+    state = ckpt.load_state(partial, point, p.runtime.device)
     return found, ResumeFrom(point.next_chunk, state), source, copy_to
 
 
@@ -281,32 +193,26 @@ def _share_resume(dist: Dist, resume_from: ResumeFrom | None, runtime: Runtime) 
     return ResumeFrom(next_chunk, ckpt.state_from_tensors(tensors, held, published, runtime.device))
 
 
-def render(p: Prepared, reporter: Reporter, models: ModelCache | None = None, resume: str = "never") -> dict:
-    """Render a prepared job to `p.job.output`; returns the summary the `done` event carries.
+def render(p: ResolvedJob, reporter: Reporter, models: ModelCache | None = None,
+           resume: Resume | str = Resume.never) -> dict:
+    """Render a resolved job to `p.job.output`; returns the summary the `done` event carries.
 
-    resume: "auto" continues an interrupted render of this same job if its checkpoint is there (else starts
-    over), "strict" (--resume) also refuses to discard a checkpoint of a changed job, "never" starts over.
+    resume: auto continues an interrupted render of this same job if its checkpoint is there (else starts
+    over), strict (--resume) also refuses to discard a checkpoint of a changed job, never starts over.
     Under torchrun every rank runs the same schedule; rank 0 alone writes the file and the checkpoint.
     """
     t_start = time.perf_counter()
+    resume = Resume(resume)
     spec = p.job.spec
-    runtime, dist = setup_runtime(spec)
+    runtime, dist = setup_runtime(spec, p.runtime)
     main = dist.is_main
     frames = dist.agree(p.frames, "the frame count")
-    try:
-        parallel, why = choose_parallel(spec.runtime.parallel.value, p.model.family, spec.sampling.steps,
-                                        dist.world_size)
-    except ValueError as e:
-        raise InputError(str(e)) from None
+    if dist.world_size != p.world_size:
+        raise RenderError(f"the job was resolved for {p.world_size} rank(s) but runs on {dist.world_size}")
     if main and dist.enabled:
-        reporter.info(f"parallel: {parallel} ({why})")
-    p = replace(p, parallel=parallel)
-    on, why = choose_transitions(spec.chunking.transitions, p.model.family.geometry.kinds, runtime.device.type)
-    if on is not spec.chunking.transitions:  # auto, resolved before the fingerprint: a resume needs the same plan
-        spec = replace(spec, chunking=replace(spec.chunking, transitions=on))
-        p = replace(p, job=replace(p.job, spec=spec))
-    if main and why:
-        reporter.info(f"transitions: {'on' if on else 'off'} ({why})")
+        reporter.info(f"parallel: {p.parallel.value} ({p.parallel_why})")
+    if main and p.transitions_why:
+        reporter.info(f"transitions: {'on' if spec.chunking.transitions else 'off'} ({p.transitions_why})")
     partial = p.job.partial_output
     fingerprint = job_fingerprint(p.job, p.model)
     if main:
@@ -321,11 +227,11 @@ def render(p: Prepared, reporter: Reporter, models: ModelCache | None = None, re
         lock.release()
 
 
-def _render_locked(p: Prepared, reporter: Reporter, models: ModelCache | None, resume: str, runtime: Runtime,
+def _render_locked(p: ResolvedJob, reporter: Reporter, models: ModelCache | None, resume: Resume, runtime: Runtime,
                    dist: Dist, frames: int, fingerprint: dict[str, str], t_start: float) -> dict:
     spec, main, partial = p.job.spec, dist.is_main, p.job.partial_output
     checkpoint, resume_from, source, copy_to = ckpt.Checkpoint(fingerprint, frames, spec.seed), None, None, 0
-    found = _resume_point(p, fingerprint, reporter, resume == "strict") if main and resume != "never" else None
+    found = _resume_point(p, fingerprint, reporter, resume == Resume.strict) if main and resume != Resume.never else None
     if found is not None:
         checkpoint, resume_from, source, copy_to = found
     elif main:
@@ -338,7 +244,7 @@ def _render_locked(p: Prepared, reporter: Reporter, models: ModelCache | None, r
                                      reporter.info, write=main, service=spec.runtime.text_service)
     cached = prompt_cache.ready(prompts, spec.prompt, runtime.device, dist)
     # The timestep pipeline: each rank loads what its role runs and places it alone (nothing is sharded).
-    steps = p.parallel == "steps"
+    steps = p.parallel == Split.steps
     absent = rank_skips(p.model.family, dist.rank) if steps else set()
     modules, placement = (models or ModelCache()).get(p.model, runtime, Dist() if steps else dist, spec.runtime,
                                                       reporter, skip={*prompt_cache.skipped(prompts, spec.prompt),
@@ -357,17 +263,13 @@ def _render_locked(p: Prepared, reporter: Reporter, models: ModelCache | None, r
                     audio_path=str(p.job.audio), codec=resolve_codec(spec.video.codec.value, str(runtime.device)),
                     crf=spec.video.crf, preset=spec.video.preset, metadata={"comment": output_tag(fingerprint)},
                     resume_from=source, resume_frames=copy_to, first_put=first_put)
-        decode, why = decode_worker.choose(spec.runtime.decode.value, p.model.family, runtime)
-        if p.parallel == "steps" and decode == "worker":  # rank 0 already decodes while the step ranks denoise
-            decode = "inline"
-            reporter.info("decode: inline (the timestep pipeline's rank 0 is its decode process)")
-        if decode == "worker":  # it decodes and owns the MP4 writer; its startup overlaps the first chunk
+        if p.decode == Decode.worker:  # it decodes and owns the MP4 writer; its startup overlaps the first chunk
             out = worker = DecodeWorker(p.model, runtime, dist.world_size, str(partial), args, p.size)
-            reporter.info(f"decode: worker ({why}), pid {worker.pid} on {worker.device}")
+            reporter.info(f"decode: worker ({p.decode_why}), pid {worker.pid} on {worker.device}")
         else:
             out = pipeline.publish_to(Mp4Writer(partial, **args), p.size)
-            if spec.runtime.decode.value == "auto":
-                reporter.info(f"decode: inline ({why})")
+            if p.decode_why != "asked for":  # auto chose it, or the timestep pipeline
+                reporter.info(f"decode: inline ({p.decode_why})")
     saver = ckpt.CheckpointWriter(partial, checkpoint)
     reader = AudioWindowReader(p.job.audio, sample_rate=p.model.family.geometry.sample_rate, info=p.audio)
     for warning in p.warnings if main else []:

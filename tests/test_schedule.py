@@ -99,8 +99,9 @@ def test_last_frames_audio_windows_reach_past_the_end():
     assert end_s > 2.3  # the last window hangs past the audio; the reader zero-pads it
 
 
-def test_a_plan_needs_transitions_resolved_and_the_pipeline_resolves_auto():
-    """`auto` must never reach the plan as a truthy string (it did, through make bench's direct Pipeline)."""
+def test_a_plan_needs_transitions_resolved_and_so_does_the_pipeline():
+    """`auto` must never reach the plan as a truthy string (it did, through make bench's direct Pipeline): job.resolve
+    resolves it once, and Pipeline.schedule takes the bool."""
     from avatar_cli.families.mini.config import SIZES
     from avatar_cli.families.mini.family import MiniFamily
     from avatar_cli.pipeline.run import Pipeline
@@ -113,6 +114,9 @@ def test_a_plan_needs_transitions_resolved_and_the_pipeline_resolves_auto():
     pipeline = Pipeline({}, family, Runtime(torch.device("cpu"), torch.float32), absent=family.components)
     spec = JobSpec(reference="r.png", audio="a.wav", output="o.mp4")
     assert spec.chunking.transitions == "auto"
-    assert {c.kind for c in pipeline.schedule(spec, 100)} == {"N"}  # a CPU: no I chunks
+    with pytest.raises(TypeError, match="transitions"):
+        pipeline.schedule(spec, 100)
+    spec.chunking.transitions = False
+    assert {c.kind for c in pipeline.schedule(spec, 100)} == {"N"}
     spec.chunking.transitions = True
     assert {c.kind for c in pipeline.schedule(spec, 100)} == {"N", "I"}

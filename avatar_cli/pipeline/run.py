@@ -7,7 +7,7 @@ which decodes them, here or in a worker process, into a Sink (media/sink.py); wh
 import time
 from collections.abc import Callable, Collection, Mapping
 from contextlib import nullcontext
-from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,9 +16,7 @@ from avatar_cli.media.sink import Sink
 from avatar_cli.media.source import AudioSource
 from avatar_cli.modules.module import Module, not_loaded
 from avatar_cli.pipeline.events import ChunkDone, RenderStats, ResumeFrom, Stretch
-from avatar_cli.pipeline.schedule import choose_transitions
 from avatar_cli.pipeline.steps import StepStages, run_steps
-from avatar_cli.prompts.cache import PromptCache
 from avatar_cli.runtime.device import Runtime
 from avatar_cli.runtime.distributed import Dist
 from avatar_cli.runtime.placement import Placement
@@ -30,10 +28,13 @@ from avatar_cli.stages.publish import DecodePublish, Publisher, PublishHere
 from avatar_cli.stages.reference import ReferenceEncode
 from avatar_cli.stages.sr import SuperResolve
 
+if TYPE_CHECKING:  # until the text cache leaves pipeline/
+    from avatar_cli.pipeline.text_cache import PromptCache
+
 
 class Pipeline:
     def __init__(self, modules: Mapping[str, Module], family: Family, runtime: Runtime,
-                 placement: Placement | None = None, count_flops: bool = False, prompts: PromptCache | None = None,
+                 placement: Placement | None = None, count_flops: bool = False, prompts: "PromptCache | None" = None,
                  steps_dist: Dist | None = None, absent: Collection[str] = ()):
         """prompts: the text cache's PromptCache for this model (prompts/cache.py), or None: encode.
         steps_dist: run the timestep pipeline over these ranks (pipeline/steps.py); absent: components this rank
@@ -57,9 +58,8 @@ class Pipeline:
         return PublishHere(self.publish, sink, size)
 
     def schedule(self, spec: JobSpec, total_frames: int) -> list[Chunk]:
-        c = spec.chunking  # runner.render resolved `auto` already; the bench and tests may call this directly
-        on, _ = choose_transitions(c.transitions, self.family.geometry.kinds, self.runtime.device.type)
-        return self.family.plan(c if on is c.transitions else replace(c, transitions=on), total_frames)
+        """The chunk plan. spec.chunking.transitions is a bool: job.resolve resolved `auto` (a plan refuses it)."""
+        return self.family.plan(spec.chunking, total_frames)
 
     @torch.no_grad()  # not inference_mode: FSDP2 (multi-GPU) breaks under it in torch 2.14
     def run(self, spec: JobSpec, image: torch.Tensor, audio: AudioSource, total_frames: int, out: Publisher,

@@ -13,8 +13,8 @@ def num_frames(samples: int, sample_rate: int, fps: float) -> int:
 
 
 def choose_transitions(value: bool | str, kinds: Collection[str], device_type: str) -> tuple[bool, str]:
-    """chunking.transitions as a bool, and why when `auto` chose it ("" otherwise). runner.render resolves it
-    before the resume fingerprint (a resume needs the same plan); Pipeline.schedule again for its other callers.
+    """chunking.transitions as a bool, and why when `auto` chose it ("" otherwise). job.resolve calls it once, before
+    the resume fingerprint (a resume needs the same plan); Pipeline.schedule takes the bool.
 
     Why by device: an I chunk is a short extra DiT forward over a seam. On a GPU it costs little next to the N
     chunks; on a CPU a short forward uses the cores less well than an N chunk's, so the I chunks take a large share

@@ -70,6 +70,13 @@ def auto_dtype(device: str, cpu: CpuInfo | None = None) -> tuple[torch.dtype, st
 _START_THREADS = torch.get_num_threads()
 
 
+def set_cpu_threads(threads: int) -> None:
+    """torch's CPU threads for a job: `threads`, or with 0 torch's own count as this process started
+    (OMP_NUM_THREADS, else one per core), not whatever an earlier job of the same process (a batch, a test session)
+    set: the thread count changes float sums' order."""
+    torch.set_num_threads(threads if threads > 0 else _START_THREADS)
+
+
 def resolve_runtime(device: str, dtype: str, threads: int = 0) -> Runtime:
     """device: auto | cpu | cuda; dtype: auto | float32 | bfloat16 | float16; threads: CPU threads, 0 = torch's."""
     if device == "auto":
@@ -77,9 +84,7 @@ def resolve_runtime(device: str, dtype: str, threads: int = 0) -> Runtime:
     elif device == "cuda" and not torch.cuda.is_available():
         raise InputError("runtime.device: cuda was asked for but no CUDA device is available")
     if device == "cpu":
-        # 0: torch's own count as this process started (OMP_NUM_THREADS, else one per core), not whatever an earlier
-        # job of the same process (a batch, a test session) set: the thread count changes float sums' order.
-        torch.set_num_threads(threads if threads > 0 else _START_THREADS)
+        set_cpu_threads(threads)
     if dtype == "auto":
         chosen, reason = auto_dtype(device)
     else:

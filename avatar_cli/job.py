@@ -1,0 +1,201 @@
+"""A loaded job spec resolved once, before any model loads: what `render`, `validate`, `batch`, `launch` and
+`prompts encode` take.
+
+`resolve(job)` opens and checks every input and settles every choice the spec leaves open, each once:
+- the model source: resolved by its family (families/registry.py), checked from headers, in the job's mode,
+  with its LoRA (`resolve_source`, which `prompts encode` and the batch's skip check call alone);
+- the family's checks of the job's settings, the decode setting, the text service;
+- the runtime's device type and dtype (`auto` resolved), which decide `chunking.transitions: auto` (the spec
+  then holds the bool: the resume fingerprint and the chunk plan see the same value) and `runtime.decode: auto`;
+- `runtime.parallel` for the rank count the job runs with: the launcher's --nproc for its early check, else the
+  rank count this process was started in (WORLD_SIZE);
+- the output path and the frame size.
+
+Known only at render time, and resolved there once: which CUDA device this rank drives (runner.setup_runtime
+refines `runtime` with it) and whether an interrupted render of the job is resumed (the disk check, `check_disk`,
+runs only when it is not).
+"""
+
+import os
+import shutil
+from dataclasses import dataclass, replace
+from enum import Enum
+from pathlib import Path
+
+import numpy as np
+
+from avatar_cli.errors import InputError
+from avatar_cli.families.base import Sampling, check_degree
+from avatar_cli.families.registry import ModelSource, check_model, resolve_model, with_lora, with_mode
+from avatar_cli.media.audio import AudioInfo, probe_audio
+from avatar_cli.media.image import load_image, small_image_warning
+from avatar_cli.pipeline import text_cache
+from avatar_cli.pipeline.schedule import choose_transitions, num_frames
+from avatar_cli.pipeline.steps import check_family, choose_parallel
+from avatar_cli.runtime.device import Runtime, resolve_runtime
+from avatar_cli.spec import Decode, Job, Parallel
+from avatar_cli.stages import decode_worker
+
+# Bits per pixel that H.264 at a given crf rarely exceeds on this content; only sizes the disk check.
+_BPP_AT_CRF20 = 0.3
+
+
+class Split(str, Enum):
+    """How the ranks split the work, `runtime.parallel` resolved for a rank count (pipeline/steps.py)."""
+
+    single = "single"  # one rank
+    sequence = "sequence"  # every rank works on every chunk (Ulysses over heads)
+    steps = "steps"  # the timestep pipeline: rank 0 decodes, rank 1 + s runs denoising step s
+
+
+@dataclass(frozen=True)
+class ResolvedJob:
+    """A job whose inputs are open and checked and whose open choices are made (see the module docstring)."""
+
+    job: Job  # its spec holds chunking.transitions resolved to a bool
+    image: np.ndarray  # (H, W, 3) uint8, as decoded
+    audio: AudioInfo
+    model: ModelSource  # in the job's mode, with its LoRA, checked
+    frames: int
+    size: tuple[int, int]  # output (width, height)
+    gen_size: tuple[int, int]  # (width, height) the family generates at (the reference is fitted to it)
+    runtime: Runtime  # device type and dtype; setup_runtime adds the CUDA device index at render time
+    world_size: int = 1  # the ranks the job runs on
+    parallel: Split = Split.single  # how the ranks split the work
+    parallel_why: str = "one rank"
+    decode: Decode = Decode.inline  # where the VAE decode and the MP4 encoder run: inline or worker
+    decode_why: str = "asked for"
+    transitions_why: str = ""  # why `auto` chose chunking.transitions ("" when the job set it)
+
+    @property
+    def duration_s(self) -> float:
+        return self.frames / self.job.spec.video.fps
+
+    @property
+    def warnings(self) -> list[str]:
+        """Input that renders, but not well: said before rendering (and by validate)."""
+        notes = [small_image_warning(self.image, self.job.reference, min(self.gen_size))]
+        over = self.model.family.prompt_overflow(self.job.spec.prompt)
+        if over is not None:
+            notes.append(f"warning: prompt: {over[0]} tokens; the {self.model.family.name} family's text encoder "
+                         f"reads the first {over[1]} and ignores the rest")
+        return [n for n in notes if n]
+
+    def estimated_bytes(self) -> int:
+        """A generous estimate of the output's size, from the bitrate the quality setting implies."""
+        w, h = self.size
+        bpp = _BPP_AT_CRF20 * 2 ** ((20 - self.job.spec.video.crf) / 6)  # x264: +6 crf halves the bitrate
+        video = w * h * self.job.spec.video.fps * bpp * self.duration_s / 8
+        audio = 128_000 * self.duration_s / 8
+        return int(video + audio) + (1 << 20)
+
+
+def check_output(output: Path, force: bool) -> None:
+    if output.is_dir():
+        raise InputError(f"output: {output} is a folder; give a .mp4 file path")
+    if output.exists() and not force:
+        raise InputError(f"output: {output} already exists; pass --force to replace it")
+    # The folder may not exist yet (render creates it): check the nearest existing ancestor instead.
+    folder = output.parent
+    while not folder.exists():
+        folder = folder.parent
+    if not folder.is_dir():
+        raise InputError(f"output: cannot create a folder under {folder}: it is a file")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise InputError(f"output: folder {folder} is not writable")
+
+
+def check_disk(r: ResolvedJob) -> None:
+    folder = r.job.output.parent
+    while not folder.exists():
+        folder = folder.parent
+    need, free = 2 * r.estimated_bytes(), shutil.disk_usage(folder).free
+    if free < need:
+        raise InputError(f"output: not enough disk space in {folder}: {free / 2**20:.1f} MB free, "
+                         f"this {r.duration_s:.0f} s video needs about {need / 2**20:.1f} MB")
+
+
+def resolve_source(job: Job) -> ModelSource:
+    """The job's model: resolved by its family, checked from headers, in the job's mode, with its LoRA (its headers
+    against the DiT built on meta: a wrong file is exit 2 before any load)."""
+    source = resolve_model(job.model, job.path.parent)
+    check_model(source)
+    source = with_mode(source, job.spec.mode)
+    if job.lora is not None:
+        source = with_lora(source, job.lora, job.spec.lora_rank, job.spec.lora_scale)
+    return source
+
+
+def job_runtime(job: Job) -> Runtime:
+    """The job's device type and dtype (`auto` resolved on this host)."""
+    rt = job.spec.runtime
+    return resolve_runtime(rt.device.value, rt.dtype.value, rt.threads)
+
+
+def ranks() -> int:
+    """The rank count this process was started in (torchrun's WORLD_SIZE; 1 without torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def resolve_parallel(job: Job, source: ModelSource, world_size: int) -> tuple[Split, str]:
+    """`runtime.parallel` for world_size ranks, and why; InputError when the family cannot split that way (the
+    sequence-parallel degree must divide the DiT's heads)."""
+    family = source.family
+    try:
+        how, why = choose_parallel(job.spec.runtime.parallel.value, family, job.spec.sampling.steps, world_size)
+        if how == "sequence":  # the timestep pipeline splits no head
+            check_degree(family.parallel.sp_heads, world_size)
+    except ValueError as e:
+        raise InputError(str(e)) from None
+    return Split(how), why
+
+
+def resolve(job: Job, force: bool = False, world_size: int | None = None,
+            source: ModelSource | None = None) -> ResolvedJob:
+    """Open and check every input and make every open choice, without loading models (module docstring).
+
+    force: an existing output is allowed (it will be replaced). world_size: the rank count (default: this
+    process's). source: the job's model when the caller resolved it already (`resolve_source`)."""
+    image = load_image(job.reference, "reference")
+    audio = probe_audio(job.audio, "audio")
+    fps = job.spec.video.fps
+    frames = num_frames(audio.samples, audio.sample_rate, fps)
+    if frames == 0:
+        raise InputError(f"audio: {job.audio}: {audio.duration_s * 1000:.1f} ms is shorter than one frame at {fps:g} fps")
+    model = source if source is not None else resolve_source(job)
+    family = model.family
+    sp = job.spec.sampling
+    try:  # a setting this family cannot render is a spec error, before any model loads
+        family.check_job(job.spec.chunking, Sampling(sp.steps, sp.guidance, sp.shift))
+    except ValueError as e:
+        raise InputError(f"{job.path}: {e}") from None
+    decode_worker.check_setting(job.spec.runtime.decode.value, family)
+    runtime = job_runtime(job)
+    text_cache.check_service(job, model)  # a named text service: up and serving this model's encoder, else exit 2
+    if job.spec.runtime.parallel == Parallel.steps:
+        try:
+            check_family(family)
+        except ValueError as e:
+            raise InputError(f"{job.path}: {e}") from None
+    check_output(job.output, force)
+    v = job.spec.video
+    requested = (v.width, v.height) if v.width else None
+    try:
+        gen_size = family.frame_size((image.shape[1], image.shape[0]), requested)
+    except ValueError as e:
+        raise InputError(f"{job.path}: {e}") from None
+
+    world = world_size if world_size is not None else ranks()
+    parallel, parallel_why = resolve_parallel(job, model, world)
+    on, transitions_why = choose_transitions(job.spec.chunking.transitions, family.geometry.kinds,
+                                             runtime.device.type)
+    if on is not job.spec.chunking.transitions:  # auto, resolved before the fingerprint: a resume needs the same plan
+        spec = replace(job.spec, chunking=replace(job.spec.chunking, transitions=on))
+        job = replace(job, spec=spec)
+    decode, decode_why = decode_worker.choose(job.spec.runtime.decode.value, family, runtime)
+    if parallel == Split.steps and decode == "worker":  # rank 0 already decodes while the step ranks denoise
+        decode, decode_why = "inline", "the timestep pipeline's rank 0 is its decode process"
+    return ResolvedJob(job, image, audio, model, frames, requested or gen_size, gen_size, runtime, world, parallel,
+                       parallel_why, Decode(decode), decode_why, transitions_why)
+
+
