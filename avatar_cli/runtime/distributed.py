@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-# A dead or stuck rank must end every rank within 60 s (README: Several GPUs). Collectives time out after
+# A dead or stuck rank must end every rank within 60 s (docs/multi-gpu.md). Collectives time out after
 # this many seconds; NCCL's watchdog then aborts the process, gloo raises. Leaves headroom for teardown.
 DEFAULT_TIMEOUT_S = 30.0
 TIMEOUT_ENV = "AVATAR_DIST_TIMEOUT_S"

@@ -3,7 +3,7 @@
 Why a service: the wan-s2v family's umT5-XXL is 11.4 GB of weights used once per prompt; a fleet of renderers
 asks one warm encoder instead of each loading it (and keeps the answers in its text cache).
 
-API (schema avatar-text/1; README "Text-encoder service"):
+API (schema avatar-text/1; docs/text-service.md):
 - GET /v1/health -> {"schema", "family", "model", "encoder_digest", "tokenizer_digest", "dtype"}: what a client
   compares with its own model's text-cache key before trusting the service.
 - POST /v1/encode, JSON {"schema": "avatar-text/1", "prompt": str, "negative_prompt": str | null,
@@ -151,7 +151,7 @@ async def _answer(scope: dict, receive: Any, send: Any, status: int, detail: str
 
 
 def make_app(encoder: Encoder, token: str | None, max_request_bytes: int) -> FastAPI:
-    # No /docs pages (they load scripts from a CDN); the schema is in the README and at /openapi.json.
+    # No /docs pages (they load scripts from a CDN); the schema is in docs/text-service.md and at /openapi.json.
     app = FastAPI(title="avatar text encoder", version=SCHEMA, docs_url=None, redoc_url=None)
 
     @app.get("/v1/health")
