@@ -34,8 +34,8 @@ class CpuInfo:
     def native_bf16(self) -> bool:
         """bf16 matmuls and convolutions run in hardware: AVX512_BF16 or AMX, with torch's AVX-512 kernels on.
 
-        Without them torch and oneDNN emulate bf16, measured 0.7-0.9 GFLOP/s against 60-150 for float32 on
-        2-core AVX2 machines: over a hundred times slower.
+        Without them torch and oneDNN emulate bf16, over a hundred times slower than float32 on the same CPU
+        (bench/results.md: the bf16 and fp32 matmul peaks of the AVX2-capped pipeline benchmarks).
         """
         return self.capability.startswith("AVX512") and (self.avx512_bf16 or self.amx)
 

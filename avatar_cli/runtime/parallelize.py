@@ -12,8 +12,7 @@ Reshard policy, the memory/speed trade-off (one DiT stage = `steps` (x2 with gui
 - "per_stage": `reshard_after_forward=False`. Blocks stay gathered after their first forward, so
   the later denoising steps of the stage do no all-gather at all; `reshard_stage(model)` frees
   them when the stage ends. Resident during the stage: the whole unsharded model. Faster (one
-  all-gather per stage instead of per step; a project measured -13.7 % time per generate on
-  8xH100), at the cost of the full model's bytes on every rank while the stage runs.
+  all-gather per stage instead of per step), at the cost of the full model's bytes on every rank while the stage runs.
 The root module is never resharded after forward by FSDP2 (it would be re-gathered immediately),
 whatever the policy.
 """

@@ -112,6 +112,6 @@ def _tiny() -> FamilyConfig:
 SIZES: dict[str, FamilyConfig] = {
     "tiny": _tiny(),
     # The decoder is thinner than the encoder: it runs on every output frame (0.45x the multiply-adds of
-    # (32, 64, 128); decoded 2.6x faster on a 2-core AVX2 CPU in float32, bench/results.md).
+    # (32, 64, 128); its speed on a CPU: bench/cpu_levers.py, figures in bench/results.md).
     "mini": FamilyConfig(vae=VAEParams(decoder_channels=(16, 32, 64))),
 }

@@ -165,8 +165,8 @@ class CausalConv3d(nn.Conv3d):
         x = F.pad(x, (*self.space_pad, time_pad, 0))  # (B, C, 2p + T, H + 2p, W + 2p)
         if _onednn_conv(x, self.weight):
             # torch sends a batch-1 input with few channels x frames x rows (< 20480) to its unblocked
-            # slow_conv3d; oneDNN was 1.6-4.7x faster on every such shape measured (bench/wan_vae_cpu.py),
-            # latent 0 at 480x832 included (96 x 3 x 62 rows: 58 ms -> 19 ms), and agrees to 2e-4.
+            # slow_conv3d; oneDNN was faster on every such shape measured, latent 0 at 480x832 included
+            # (bench/wan_vae_cpu.py; figures in bench/results.md), and agrees to 2e-4.
             return torch.mkldnn_convolution(x, self.weight, self.bias, [0, 0, 0], self.stride, self.dilation,
                                             self.groups)  # (B, Cout, T', H', W')
         return super().forward(x)  # (B, Cout, T', H', W')
