@@ -29,9 +29,9 @@ from avatar_cli.families.base import Sampling, check_degree
 from avatar_cli.families.registry import ModelSource, check_model, resolve_model, with_lora, with_mode
 from avatar_cli.media.audio import AudioInfo, probe_audio
 from avatar_cli.media.image import load_image, small_image_warning
-from avatar_cli.pipeline import text_cache
 from avatar_cli.pipeline.schedule import choose_transitions, num_frames
 from avatar_cli.pipeline.steps import check_family, choose_parallel
+from avatar_cli.prompts import cache as prompt_cache
 from avatar_cli.runtime.device import Runtime, resolve_runtime
 from avatar_cli.spec import Decode, Job, Parallel
 from avatar_cli.stages import decode_worker
@@ -171,7 +171,7 @@ def resolve(job: Job, force: bool = False, world_size: int | None = None,
         raise InputError(f"{job.path}: {e}") from None
     decode_worker.check_setting(job.spec.runtime.decode.value, family)
     runtime = job_runtime(job)
-    text_cache.check_service(job, model)  # a named text service: up and serving this model's encoder, else exit 2
+    prompt_cache.check_service(job, model)  # a named text service: up and serving this model's encoder, else exit 2
     if job.spec.runtime.parallel == Parallel.steps:
         try:
             check_family(family)

@@ -7,7 +7,6 @@ which decodes them, here or in a worker process, into a Sink (media/sink.py); wh
 import time
 from collections.abc import Callable, Collection, Mapping
 from contextlib import nullcontext
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +16,7 @@ from avatar_cli.media.source import AudioSource
 from avatar_cli.modules.module import Module, not_loaded
 from avatar_cli.pipeline.events import ChunkDone, RenderStats, ResumeFrom, Stretch
 from avatar_cli.pipeline.steps import StepStages, run_steps
+from avatar_cli.prompts.cache import PromptCache
 from avatar_cli.runtime.device import Runtime
 from avatar_cli.runtime.distributed import Dist
 from avatar_cli.runtime.placement import Placement
@@ -28,13 +28,10 @@ from avatar_cli.stages.publish import DecodePublish, Publisher, PublishHere
 from avatar_cli.stages.reference import ReferenceEncode
 from avatar_cli.stages.sr import SuperResolve
 
-if TYPE_CHECKING:  # until the text cache leaves pipeline/
-    from avatar_cli.pipeline.text_cache import PromptCache
-
 
 class Pipeline:
     def __init__(self, modules: Mapping[str, Module], family: Family, runtime: Runtime,
-                 placement: Placement | None = None, count_flops: bool = False, prompts: "PromptCache | None" = None,
+                 placement: Placement | None = None, count_flops: bool = False, prompts: PromptCache | None = None,
                  steps_dist: Dist | None = None, absent: Collection[str] = ()):
         """prompts: the text cache's PromptCache for this model (prompts/cache.py), or None: encode.
         steps_dist: run the timestep pipeline over these ranks (pipeline/steps.py); absent: components this rank
