@@ -282,7 +282,8 @@ def tensor_digest(t: torch.Tensor) -> str:
 
 
 def manifest(d: Path) -> dict:
-    """Every file: its sha256; weight files also each tensor's dtype, shape and sha256."""
+    """Every file: its sha256; weight files also each tensor's dtype, shape and sha256 (and a .pth state dict's
+    `_metadata`), what a loader sees, which a test can compare where the bytes of a pickle may differ."""
     out = {}
     for f in sorted(p for p in d.rglob("*") if p.is_file()):
         rel = f.relative_to(d).as_posix()
@@ -297,6 +298,8 @@ def manifest(d: Path) -> dict:
                     entry["metadata"] = h.metadata()
             entry["tensors"] = {k: [str(v.dtype).removeprefix("torch."), list(v.shape), tensor_digest(v)]
                                 for k, v in sd.items()}
+            if hasattr(sd, "_metadata"):  # a state_dict's module versions, pickled with it by torch.save
+                entry["state_dict_metadata"] = dict(sd._metadata)
         out[rel] = entry
     return out
 
@@ -325,7 +328,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--wan-repo", type=Path, required=True, help="folder holding the extracted wan/ package")
     ap.add_argument("--official-git", type=Path, required=True,
-                    help="a git clone of Wan-Video/Wan2.2: its commit and requirements.txt pins are checked and recorded")
+                    help="a git clone of Wan-Video/Wan2.2: its commit and requirements.txt pins are checked "
+                    "and recorded")
     args = ap.parse_args()
     prov = provenance(args.official_git, "Wan-Video/Wan2.2")  # refuses outside the official pins
     import librosa
