@@ -6,6 +6,8 @@ written at the output path.
 """
 
 import errno
+import hashlib
+import json
 import os
 import time
 from collections.abc import Collection
@@ -353,7 +355,4 @@ def _after_failure(kept: bool) -> str:
 
 def output_tag(fingerprint: dict[str, str]) -> str:
     """Stored in the MP4's metadata: lets a rerun see that this exact job already produced this file."""
-    import hashlib
-    import json
-
     return "avatar:" + hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:32]

@@ -239,7 +239,7 @@ def fit_image_pil(img: np.ndarray, width: int, height: int) -> torch.Tensor:
     One departure: where the official crop is larger than the resized image (its 64-pixel size rounding can make the
     frame's aspect wider than the picture's), it pads with black; here the shorter side is scaled up just enough to
     cover the frame instead, so nothing is padded. Whenever the official code does not pad, the result is its own."""
-    from PIL import Image
+    from PIL import Image  # start-up: only the wan-s2v reference crop uses PIL
 
     arr = np.ascontiguousarray(np.asarray(img))
     if arr.ndim != 3 or arr.shape[2] != 3 or arr.dtype != np.uint8:

@@ -190,6 +190,7 @@ def _is_dtensor(t: torch.Tensor) -> bool:
 def _read_dtensor(reader: "_Reader", name: str, info: TensorInfo, param: "DTensor", fsdp_param, device: torch.device,
                   dtype: torch.dtype) -> "DTensor":
     """This rank's dim-0 rows of `info` as a DTensor parameter like `param` (same mesh and placements)."""
+    # torch.distributed.tensor: imported by sharded loads only, not at every start.
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -223,7 +224,7 @@ def _read_dtensor(reader: "_Reader", name: str, info: TensorInfo, param: "DTenso
 
 def _fsdp_params(model: nn.Module) -> dict[int, object]:
     """id(sharded parameter) -> FSDP2's record of it (FSDPParam), for every fully_shard unit in `model`."""
-    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FSDPModule  # start-up: imported by sharded loads only
 
     out: dict[int, object] = {}
     for m in model.modules():

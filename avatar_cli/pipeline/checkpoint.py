@@ -35,6 +35,7 @@ from safetensors.torch import load_file
 
 from avatar_cli.families.base import RollingState
 from avatar_cli.files import atomic_path, atomic_write
+from avatar_cli.media.writer import count_video_frames, scan_video
 from avatar_cli.modules.module import save_safetensors
 
 VERSION = 2  # 2: held stretches saved as [start, end) spans (a latent may make several frames)
@@ -199,8 +200,6 @@ def remove_checkpoint(partial: Path) -> None:
 def copyable_frames(video: Path) -> tuple[int, int]:
     """(frames that decode from a possibly cut-off file, K): a resume copies frames [0, K), K its last
     keyframe with everything before it on disk, so the new encoder starts a GOP where the old one did."""
-    from avatar_cli.media.writer import scan_video
-
     on_disk, keys = scan_video(video)
     return on_disk, max([k for k in keys if k <= on_disk] or [0])
 
@@ -312,8 +311,6 @@ def resume_source(partial: Path) -> Path | None:
 
     If an earlier resume was itself interrupted, both files may exist: keep the one with more frames.
     """
-    from avatar_cli.media.writer import count_video_frames
-
     src = resume_path(partial)
     if partial.exists() and src.exists():
         if count_video_frames(partial) > count_video_frames(src):

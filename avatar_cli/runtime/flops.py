@@ -30,7 +30,7 @@ def _register() -> None:
 
 def flop_counter():
     """A torch FlopCounterMode that also knows the CPU kernels above."""
-    from torch.utils.flop_counter import FlopCounterMode
+    from torch.utils.flop_counter import FlopCounterMode  # start-up: only the runs that count (see _register)
 
     _register()
     return FlopCounterMode(display=False)

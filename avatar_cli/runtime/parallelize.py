@@ -39,7 +39,7 @@ def parallelize_model(model: nn.Module, mesh: DeviceMesh, *, reshard: Reshard = 
     Returns the same model, now an FSDPModule; call it as before, under torch.no_grad() (FSDP2 in
     torch 2.14 fails under inference_mode).
     """
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard  # start-up: when sharding
 
     if reshard not in ("per_block", "per_stage"):
         raise ValueError(f"reshard must be 'per_block' or 'per_stage', got {reshard!r}")
