@@ -19,6 +19,8 @@ Where we differ from the official loop, and why:
   renders whole clips and cuts at the shorter stream when muxing).
 - Noise is drawn on the CPU from Generator(seed + r), float32, as the official code draws it on its device: so
   it is the same on every device and rank count.
+- Reference. Resized as the official code does (PIL, 8 bits, centre crop: fit_reference), except where its crop
+  would pad with black: there the picture is scaled up to cover the frame.
 
 Rolling state (all of it saved at every resume point, so a resumed render is bit-identical): the decoder
 cache (`vae.*`) and the next clip's motion latents (`motion`). At 480p the decoder cache is ~3.5 GB in float32
