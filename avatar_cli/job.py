@@ -171,7 +171,7 @@ def resolve(job: Job, force: bool = False, world_size: int | None = None,
         raise InputError(f"{job.path}: {e}") from None
     decode_worker.check_setting(job.spec.runtime.decode.value, family)
     runtime = job_runtime(job)
-    prompt_cache.check_service(job, model)  # a named text service: up and serving this model's encoder, else exit 2
+    prompt_cache.check_service(job, model, runtime)  # a named text service: up and serving this model's encoder, else exit 2
     if job.spec.runtime.parallel == Parallel.steps:
         try:
             check_family(family)

@@ -178,10 +178,11 @@ def service_client(service: Any) -> Any:
     return TextServiceClient(service.url, service.timeout_s, service.retries)
 
 
-def check_service(job: Any, source: ModelSource) -> None:
-    """At validation (runner.prepare): a job that names a text service and whose prompt the cache lacks needs
+def check_service(job: Any, source: ModelSource, runtime: Any = None) -> None:
+    """At validation (job.resolve): a job that names a text service and whose prompt the cache lacks needs
     the service up and serving this model's encoder, tokenizer and dtype, else InputError naming the URL.
-    With fallback on, only the URL and the client are checked (a render then encodes locally, with a note)."""
+    With fallback on, only the URL and the client are checked (a render then encodes locally, with a note).
+    runtime: the job's, as job.resolve resolved it (None: resolved here)."""
     rt = job.spec.runtime
     service = rt.text_service
     if not service.url:
@@ -191,7 +192,8 @@ def check_service(job: Any, source: ModelSource) -> None:
 
         if service.fallback:
             return
-        runtime = resolve_runtime(rt.device.value, rt.dtype.value, rt.threads)
+        if runtime is None:
+            runtime = resolve_runtime(rt.device.value, rt.dtype.value, rt.threads)
         prompts = job_prompts(rt.text_cache, job.path.parent, source, runtime.dtype, lambda _: None,
                               service=service)
         key = prompts.key(job.spec.prompt)

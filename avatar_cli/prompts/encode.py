@@ -10,11 +10,11 @@ import torch
 from torch import nn
 
 from avatar_cli.errors import AvatarError
-from avatar_cli.families.registry import check_model, load_modules, resolve_model
+from avatar_cli.job import job_runtime, resolve_source
+from avatar_cli.families.registry import load_modules
 from avatar_cli.families.source import ModelSource
 from avatar_cli.prompts.cache import PromptCache
 from avatar_cli.prompts.store import TextCache, cache_folder
-from avatar_cli.runtime.device import resolve_runtime
 from avatar_cli.runtime.distributed import Dist
 from avatar_cli.runtime.placement import place, plan_for
 from avatar_cli.spec import load_job
@@ -48,10 +48,9 @@ def fill(paths: list[Path], overrides: list[str], note: Callable[[str], None]) -
                 report.off += 1
                 note(f"note: {path}: runtime.text_cache is off: nothing to fill")
                 continue
-            source = resolve_model(job.model, job.path.parent)
-            check_model(source)
+            source = resolve_source(job)  # the job's model as a render resolves it (job.py)
             rt = job.spec.runtime
-            runtime = resolve_runtime(rt.device.value, rt.dtype.value, rt.threads)
+            runtime = job_runtime(job)
         except AvatarError as e:
             report.bad.append((str(path), e.exit_code, f"{path}: {e}"))
             continue
