@@ -17,7 +17,7 @@ import torch
 from avatar_cli.errors import InputError, RenderError
 from avatar_cli.media import writer as writer_mod
 from avatar_cli.media.audio import AudioInfo, AudioWindowReader, iter_audio_chunks, probe_audio
-from avatar_cli.media.image import fit_square, load_image, save_png, small_image_warning
+from avatar_cli.media.image import fit_image_pil, fit_square, load_image, save_png, small_image_warning
 from avatar_cli.media.writer import AAC_PRIMING, Mp4Writer, resolve_codec
 
 # ---------------------------------------------------------------- media generators
@@ -272,6 +272,24 @@ def test_fit_square_antialiases():
     stripes[:, ::2] = 255  # 1-px stripes: plain bilinear at 1/8 would alias to all-black or all-white
     x = fit_square(stripes, 8)
     assert torch.allclose(x, torch.zeros_like(x), atol=0.05)
+
+
+def test_fit_image_pil_is_the_official_wan_preprocessing():
+    """torchvision Resize(min side) + CenterCrop on a PIL image, ToTensor * 2 - 1 (the official Wan reference path;
+    tests/test_wan_e2e_golden.py holds a render's reference equal to the official code's, bit for bit)."""
+    rng = np.random.default_rng(0)
+    img = rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    # No resize at the picture's own size: 8-bit values as ToTensor gives them, then * 2 - 1.
+    assert torch.equal(fit_image_pil(img, 64, 64), torch.from_numpy(img).permute(2, 0, 1).float().div(255) * 2 - 1.0)
+    stripes = np.zeros((80, 96, 3), np.uint8)
+    stripes[:, ::2] = 255  # PIL's bilinear filter is antialiased: 1-px stripes average out
+    x = fit_image_pil(stripes, 32, 32)
+    assert x.shape == (3, 32, 32) and float(x.abs().max()) < 0.1  # unfiltered, they would stay at +-1
+    # A 128 x 64 frame of a square picture: the official Resize(64) gives 64 x 64 and its crop pads 32 black columns
+    # each side; here the picture is scaled to cover the frame instead.
+    grey = np.full((50, 50, 3), 200, np.uint8)
+    wide = fit_image_pil(grey, 128, 64)
+    assert wide.shape == (3, 64, 128) and torch.allclose(wide, torch.full_like(wide, 200 / 255 * 2 - 1))
 
 
 # ---------------------------------------------------------------- audio probing
