@@ -180,3 +180,19 @@ def test_wav_is_handed_over_as_it_arrives():
     audio = StreamAudio.open("-", rate=RATE, stdin=os.fdopen(r, "rb", buffering=0))
     assert audio.wait_for(RATE // 2 - 1024, timeout=30) and not audio.ended
     os.close(w)
+
+
+def test_the_output_reads_the_timeline_with_its_own_cursor():
+    """The renderer releases what its features have read; the output's audio track, which lags it, still gets every
+    sample (and the inserted silence) until it releases them too."""
+    x = tone(1.0)
+    audio = StreamAudio.open("-", rate=RATE, raw=RawPCM("f32le", RATE, 1), stdin=piped(x.tobytes()))
+    feed = audio.feed()
+    assert audio.wait_for(x.size, timeout=30)
+    audio.pad_to(x.size + 800)
+    audio.release(x.size + 800)  # the renderer is done with all of it
+    got = np.concatenate([feed.take(1000)[0] for _ in range(18)])
+    np.testing.assert_array_equal(got[:x.size], x)
+    assert not got[x.size:].any()
+    with pytest.raises(IndexError):
+        audio.read(0, 10)  # both readers are past it: freed

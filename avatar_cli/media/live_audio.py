@@ -31,7 +31,7 @@ import numpy as np
 from avatar_cli.errors import InputError, RenderError
 from avatar_cli.media._files import reason
 
-__all__ = ["RawPCM", "StreamAudio", "is_stream", "RAW_FORMATS"]
+__all__ = ["RawPCM", "StreamAudio", "TimelineFeed", "is_stream", "RAW_FORMATS"]
 
 RAW_FORMATS = ("s16le", "s16be", "s32le", "f32le", "f64le", "u8")  # FFmpeg's raw PCM demuxers
 
@@ -73,6 +73,7 @@ class StreamAudio:
         self._base = 0  # timeline index of the first sample held
         self._end = 0  # timeline length: samples arrived plus silence inserted
         self._released = 0
+        self._readers: dict[str, int] = {"render": 0}  # reader -> samples it released (see release)
         self._max = int(max_buffer_s * self.rate)
         self._ended = False
         self._error: BaseException | None = None
@@ -166,13 +167,24 @@ class StreamAudio:
                     break
         return out
 
-    def release(self, before: int) -> None:
-        """Samples before this index will not be read again: free them (and let the reader go on)."""
+    def release(self, before: int, reader: str = "render") -> None:
+        """`reader` will not read samples before this index again; those no reader needs are freed (and the input
+        is read on). Each reader (the renderer's features, the output's audio track) releases on its own."""
         with self._cond:
-            self._released = max(self._released, before)
+            self._readers[reader] = max(self._readers.get(reader, 0), before)
+            self._released = min(self._readers.values())
             while self._chunks and self._base + self._chunks[0].size <= self._released:
                 self._base += self._chunks.pop(0).size
             self._cond.notify_all()
+
+    def feed(self, rate: int | None = None) -> TimelineFeed:
+        """The timeline as a writer's audio track (an AudioFeed): the input with the inserted silences, read by
+        a reader of its own."""
+        if rate is not None and rate != self.rate:
+            raise ValueError(f"the timeline is at {self.rate} Hz, not {rate}")
+        with self._cond:
+            self._readers["output"] = self._base
+        return TimelineFeed(self)
 
     def close(self) -> None:
         self._stop.set()
@@ -234,6 +246,24 @@ class StreamAudio:
                 self._append(x)
                 # Back-pressure: hold the reader while too much unreleased audio is buffered.
                 self._cond.wait_for(lambda: self._end - self._released <= self._max or self._stop.is_set())
+
+
+class TimelineFeed:
+    """A writer's AudioFeed over a StreamAudio timeline: samples in order, zeros where nothing has arrived yet."""
+
+    channels = 1
+
+    def __init__(self, audio: StreamAudio):
+        self.audio, self.rate, self.pos = audio, audio.rate, 0
+
+    def take(self, n: int) -> np.ndarray:
+        x = self.audio.read(self.pos, self.pos + n)  # (n,)
+        self.pos += n
+        self.audio.release(self.pos, reader="output")
+        return x[None]  # (1, n)
+
+    def close(self) -> None:
+        self.audio.release(2**62, reader="output")
 
 
 class _Sniffed:
