@@ -608,7 +608,7 @@ def test_other_ranks_leave_the_interrupt_message_to_rank_0(capsys):
 
 
 def test_an_interrupted_checkpoint_write_leaves_no_temporary_file(tmp_path: Path, monkeypatch):
-    from avatar_cli.pipeline import checkpoint
+    from avatar_cli.files import atomic_write
 
     target = tmp_path / "video.partial.ckpt.json"
     target.write_text("old")
@@ -618,5 +618,5 @@ def test_an_interrupted_checkpoint_write_leaves_no_temporary_file(tmp_path: Path
 
     monkeypatch.setattr(os, "fsync", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        checkpoint._atomic_write(target, b"new")
+        atomic_write(target, b"new")  # how pipeline/checkpoint.py writes its record
     assert os.listdir(tmp_path) == ["video.partial.ckpt.json"] and target.read_text() == "old"
