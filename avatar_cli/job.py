@@ -116,9 +116,10 @@ def check_disk(r: ResolvedJob) -> None:
 
 
 def resolve_source(job: Job) -> ModelSource:
-    """The job's model: resolved by its family, checked from headers, in the job's mode, with its LoRA (its headers
-    against the DiT built on meta: a wrong file is exit 2 before any load)."""
-    source = resolve_model(job.model, job.path.parent)
+    """The job's model: resolved by its family (once: load_job resolved it for the family's defaults already), checked
+    from headers, in the job's mode, with its LoRA (its headers against the DiT built on meta: a wrong file is exit
+    2 before any load)."""
+    source = job.source if job.source is not None else resolve_model(job.model, job.path.parent)
     check_model(source)
     source = with_mode(source, job.spec.mode)
     if job.lora is not None:

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field, fields, is_dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import (ConfigKeyError, GrammarParseError, InterpolationResolutionError, MissingMandatoryValue,
@@ -163,6 +163,9 @@ class Job:
     output: Path
     model: str  # a shipped name, or an absolute directory
     lora: Path | None = None  # the LoRA file, absolute
+    # The model as resolved for its family's defaults (a families.registry.ModelSource in the job's mode; None
+    # when it did not resolve): job.resolve_source goes on from it instead of resolving the model again.
+    source: Any = field(default=None, compare=False, repr=False)
 
     @property
     def partial_output(self) -> Path:
@@ -240,11 +243,15 @@ def load_job(job_path: str | Path, overrides: list[str] | None = None, output: s
         return cfg
 
     cfg = merged(layers)
-    family = _family_defaults(cfg.model, Path.cwd() if "model" in cli_keys else path.resolve().parent, cfg.mode)
-    if family:
-        name, values = family
+    # The model is resolved here once (its family's defaults are needed now); the Job carries it on to job.py.
+    base = Path.cwd() if "model" in cli_keys else path.resolve().parent
+    shipped = cfg.model in _shipped_names()
+    source = _model_source(cfg.model if shipped else str((base / Path(cfg.model).expanduser()).resolve()), base,
+                           cfg.mode)
+    values = source.family.job_defaults() if source is not None else {}
+    if values:
         layers.insert(0, (OmegaConf.from_dotlist(
-            [f"{k}={v}" for k, v in values.items()]), f"the {name} family's defaults"))
+            [f"{k}={v}" for k, v in values.items()]), f"the {source.family.name} family's defaults"))
         cfg = merged(layers)
     if output is not None:
         cfg.output = output
@@ -265,15 +272,15 @@ def load_job(job_path: str | Path, overrides: list[str] | None = None, output: s
         model = str(resolve("model", spec.model))
     return Job(spec=spec, path=path.resolve(), reference=resolve("reference", spec.reference),
                audio=resolve("audio", spec.audio), output=resolve("output", spec.output), model=model,
-               lora=resolve("lora", spec.lora) if spec.lora is not None else None)
+               lora=resolve("lora", spec.lora) if spec.lora is not None else None, source=source)
 
 
-def _family_defaults(model: str, base: Path, mode: str) -> tuple[str, dict] | None:
-    """(family name, its job defaults) of the job's model, or None when it has none or the model does not
-    resolve (prepare() then says why, with exit 2)."""
-    from avatar_cli.families.registry import family_defaults  # local import, as below
+def _model_source(model: str, base: Path, mode: str):
+    """The job's model (a families.registry.ModelSource) in its mode, or None when it does not resolve
+    (job.resolve_source then says why, with exit 2)."""
+    from avatar_cli.families.registry import model_for_spec  # local import, as below
 
-    return family_defaults(model, base, mode)
+    return model_for_spec(model, base, mode)
 
 
 def _shipped_names() -> set[str]:

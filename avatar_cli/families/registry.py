@@ -17,7 +17,7 @@ from avatar_cli.families.wan_s2v.spec import WAN_S2V
 from avatar_cli.modules.module import Module
 
 __all__ = ["RANDOM_SEED", "FamilySpec", "ModelSource", "register", "get", "names", "resolve_model", "with_mode",
-           "with_lora", "family_defaults", "check_model", "load_modules", "init_family_dir", "param_count",
+           "with_lora", "model_for_spec", "check_model", "load_modules", "init_family_dir", "param_count",
            "check_directory", "shipped_names"]
 
 WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "weights"
@@ -97,15 +97,13 @@ def with_mode(source: ModelSource, mode: str) -> ModelSource:
     return dataclasses.replace(source, mode=mode)
 
 
-def family_defaults(model: str, base_dir: Path, mode: str = "clip") -> tuple[str, dict[str, Any]] | None:
-    """(family name, its job defaults) for the job spec, or None: mini (whose defaults are the schema's)
-    or a model or mode that does not resolve (the job's resolution reports that)."""
+def model_for_spec(model: str, base_dir: Path, mode: str = "clip") -> ModelSource | None:
+    """The job's model in its mode, resolved while the spec loads (its family's job defaults sit under the job
+    file), or None when it does not resolve (job.resolve_source then says why, with exit 2)."""
     try:
-        source = with_mode(resolve_model(model, base_dir), mode)
+        return with_mode(resolve_model(model, base_dir), mode)
     except InputError:
         return None
-    values = source.family.job_defaults()
-    return (source.family.name, values) if values else None
 
 
 def check_model(source: ModelSource) -> None:
