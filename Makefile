@@ -9,12 +9,14 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# torchaudio's wheel must match torch's build: pin the pair, then install the project. --no-compile: pip
-	# would byte-compile all ~12,000 files, one at a time (110 s of a 3-minute install on 2 cores); instead
-	# avatar_cli._bytecode compiles what avatar and its tests import (20 s), even where PYTHONDONTWRITEBYTECODE is set.
+	# torchaudio's wheel must match torch's build: pin the pair, then install the project. --no-compile, then
+	# compileall on every core: pip byte-compiles the ~12,000 files it installs one after another. Bytecode is
+	# written here because where PYTHONDONTWRITEBYTECODE is set (CI machines, containers) every process would
+	# otherwise compile what it imports from source again. -qq, and its status ignored: a file that does not parse
+	# under this Python (torch ships a 3.12-only test file) fails at import anyway. Timings: bench/results.md.
 	$(PY) -m pip install -q --no-compile "torch==2.14.1" "torchaudio==2.11.0"
 	$(PY) -m pip install -q --no-compile -e ".[test,service]"
-	$(PY) -m avatar_cli._bytecode
+	$(PY) -m compileall -qq -j 0 "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" avatar_cli || true
 	touch $(STAMP)
 
 setup: $(STAMP)
