@@ -2,6 +2,9 @@
 
 Exit codes: 0 success; 1 failure while rendering; 2 invalid job spec or input; 130 interrupted (SIGINT);
 143 terminated (SIGTERM).
+
+Each command imports what it runs inside its own function, for start-up time: `avatar --help` or a usage error
+answers without importing torch.
 """
 
 import os
