@@ -1,0 +1,104 @@
+"""A live session's chunk plan: it grows as audio arrives, and goes on over silence where the audio stalls.
+
+A file's plan is made once from its length. A live input's length is known only when it ends, so the plan is made
+from what has arrived: `growing_plan` hands out a chunk once every plan of a longer audio agrees on it (the family's
+plan of the audio so far and of a longer one share it), and the chunk's audio, up to its last frame plus the
+features' lookahead, has arrived. When the input ends, the plan of the final length takes over from the chunks handed
+out so far (they must be its first chunks: a family's plan grows at its end only).
+
+A stalled source does not stall the session: when the next chunk's audio has not arrived `stall_s` after the render
+asked for it, silence is inserted up to the chunk's end (the source's `pad_to`), the chunk renders on it (the mouth
+at rest, the head going on), and audio that arrives later continues after that silence. Everything downstream reads
+the same timeline, so the output's audio track is the input with those silences inserted, in sync with the video.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Protocol
+
+from avatar_cli.errors import RenderError
+from avatar_cli.families.base import Chunk
+from avatar_cli.pipeline.schedule import num_frames
+
+__all__ = ["LiveAudio", "Stall", "growing_plan", "STALL_S"]
+
+STALL_S = 1.0  # default wait for a chunk's audio before it renders on silence
+
+
+class LiveAudio(Protocol):
+    """What the plan needs of a live source (media/live_audio.py StreamAudio)."""
+
+    rate: int
+
+    @property
+    def arrived(self) -> int: ...  # the timeline's length so far, in samples
+
+    @property
+    def ended(self) -> bool: ...
+
+    def wait_for(self, n: int, timeout: float | None) -> bool: ...  # True: n samples are there, or the input ended
+
+    def pad_to(self, n: int) -> int: ...  # silence up to sample n; returns the samples inserted
+
+
+@dataclass(frozen=True)
+class Stall:
+    """Silence inserted at timeline sample `at` for `samples` samples, after waiting `waited_s` for audio."""
+
+    at: int
+    samples: int
+    waited_s: float
+
+
+def _common_prefix(a: list[Chunk], b: list[Chunk]) -> list[Chunk]:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return a[:n]
+
+
+def growing_plan(plan: Callable[[int], list[Chunk]], audio: LiveAudio, fps: float, *, lookahead_s: float = 0.0,
+                 stall_s: float = STALL_S, on_stall: Callable[[Stall], None] = lambda _: None) -> Iterator[Chunk]:
+    """The chunks of `plan(total_frames)` for the audio as it arrives (module docstring), in order.
+
+    lookahead_s: audio past a chunk's last frame its features read (a window centred on the frame's time).
+    """
+    rate = audio.rate
+    done: list[Chunk] = []
+
+    def sample_at(frame: int) -> int:  # the first timeline sample at or after video frame `frame`'s start
+        return math.ceil(Fraction(frame) * rate / Fraction(fps))
+
+    lookahead = int(round(lookahead_s * rate))
+    while True:
+        if audio.ended:
+            total = num_frames(audio.arrived, rate, fps)
+            final = plan(total) if total > 0 else []
+            if final[:len(done)] != done:
+                raise RenderError("live: the family's chunk plan changed its early chunks as the audio grew; this "
+                                  "family cannot render a live session")
+            yield from final[len(done):]
+            return
+        known = int(audio.arrived * fps // rate)  # whole frames of audio so far
+        # A chunk is settled once a plan of this audio and of a much longer one agree on it.
+        longer = plan(known + 4 * max(1, max((c.length for c in done[-2:]), default=fps)) + int(4 * fps))
+        settled = _common_prefix(plan(known), longer) if known > 0 else []
+        nxt = settled[len(done)] if len(settled) > len(done) else longer[len(done)]
+        need = sample_at(nxt.end) + lookahead
+        if audio.arrived >= need:
+            if len(settled) > len(done):
+                done.append(nxt)
+                yield nxt
+                continue
+            # Its audio is here, but its shape depends on audio still to come (a seam's length, say): one frame more.
+            need = audio.arrived + sample_at(1)
+        t0 = time.monotonic()
+        if not audio.wait_for(need, timeout=stall_s):
+            added = audio.pad_to(need)
+            if added:
+                on_stall(Stall(at=need - added, samples=added, waited_s=time.monotonic() - t0))

@@ -1,0 +1,98 @@
+"""A live session's plan (avatar_cli/pipeline/live.py): it grows with the audio, waits for it, and goes on over
+silence where it stalls; the chunks are those of the file's plan of the same audio."""
+
+import threading
+import time
+
+import pytest
+
+from avatar_cli.families.mini.schedule import plan as mini_plan
+from avatar_cli.pipeline.live import Stall, growing_plan
+from avatar_cli.pipeline.schedule import num_frames
+
+RATE, FPS = 16000, 25
+
+
+class FakeAudio:
+    """A live source driven by the test: `arrive(n)` adds samples; `end()` closes it; pad_to inserts silence."""
+
+    rate = RATE
+
+    def __init__(self):
+        self.arrived, self.ended, self.pads = 0, False, []
+        self.cond = threading.Condition()
+
+    def arrive(self, n: int) -> None:
+        with self.cond:
+            self.arrived += n
+            self.cond.notify_all()
+
+    def end(self) -> None:
+        with self.cond:
+            self.ended = True
+            self.cond.notify_all()
+
+    def wait_for(self, n: int, timeout: float | None) -> bool:
+        with self.cond:
+            return self.cond.wait_for(lambda: self.arrived >= n or self.ended, timeout)
+
+    def pad_to(self, n: int) -> int:
+        with self.cond:
+            add = max(0, n - self.arrived)
+            self.arrived += add
+            self.pads.append((n - add, add))
+            return add
+
+
+def plan_of(transitions: bool):
+    return lambda total: mini_plan(total, 28, 4, transitions, 4)
+
+
+@pytest.mark.parametrize("transitions", [False, True])
+@pytest.mark.parametrize("seconds", [0.3, 1.12, 3.0, 7.77])
+def test_the_grown_plan_is_the_files_plan(transitions: bool, seconds: float):
+    """Audio arriving in uneven pieces, then ending: the chunks handed out are exactly the plan of the whole audio,
+    and each was handed out only once its audio (and lookahead) had arrived."""
+    audio = FakeAudio()
+    total = int(seconds * RATE)
+    pieces = [1000, 7000, 333, 16000, 4000] * 100
+    got, arrived_at_yield = [], []
+
+    def feed():
+        sent = 0
+        for n in pieces:
+            n = min(n, total - sent)
+            if n <= 0:
+                break
+            time.sleep(0.001)
+            audio.arrive(n)
+            sent += n
+        audio.end()
+
+    threading.Thread(target=feed, daemon=True).start()
+    for chunk in growing_plan(plan_of(transitions), audio, FPS, lookahead_s=0.05, stall_s=30):
+        got.append(chunk)
+        arrived_at_yield.append((audio.arrived, audio.ended))
+    assert got == plan_of(transitions)(num_frames(total, RATE, FPS))
+    assert not audio.pads
+    for chunk, (arrived, ended) in zip(got, arrived_at_yield):
+        assert ended or arrived >= chunk.end * RATE // FPS + 0.05 * RATE
+
+
+def test_a_stall_renders_on_silence_and_the_audio_continues_after_it():
+    audio = FakeAudio()
+    stalls: list[Stall] = []
+    gen = growing_plan(plan_of(False), audio, FPS, stall_s=0.2, on_stall=stalls.append)
+    audio.arrive(RATE * 2)  # 2 s: the first chunk (28 frames = 1.12 s) can go
+    first = next(gen)
+    assert first.end == 28 and not stalls
+    t0 = time.monotonic()
+    second = next(gen)  # needs audio to frame 56 (2.24 s): nothing more comes, so silence after 0.2 s
+    assert time.monotonic() - t0 >= 0.2
+    assert second.end == 56 and len(stalls) == 1
+    assert stalls[0].at == 2 * RATE and stalls[0].samples == 56 * RATE // FPS - 2 * RATE
+    audio.arrive(RATE)  # late audio continues after the inserted silence
+    audio.end()
+    rest = list(gen)
+    total = num_frames(56 * RATE // FPS + RATE, RATE, FPS)
+    assert [first, second, *rest] == plan_of(False)(total)
