@@ -120,7 +120,7 @@ class RuntimeSpec:
     offload: Offload = Offload.auto  # GPU: where idle models wait (auto decides from free GPU memory)
     reshard: Reshard = Reshard.per_block  # several GPUs: FSDP2 reshards after each block, or after each stage
     shard: Shard = Shard.auto  # several GPUs: shard the big models (FSDP2) or replicate them; auto: from memory
-    text_cache: str = "auto"  # prompt encodings: auto (user cache folder) | off | a folder (pipeline/text_cache.py)
+    text_cache: str = "auto"  # prompt encodings: auto (user cache folder) | off | a folder (avatar_cli/prompts/)
     # Several ranks: how they split the work. sequence: every rank works on every chunk (Ulysses over heads);
     # steps: the timestep pipeline of the wan-s2v streaming mode (rank 0 decodes, rank i runs denoising step i);
     # auto: chosen per rank count and mode, said in one log line.

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from avatar_cli.pipeline.text_cache import EntryKey
+from avatar_cli.prompts.entry import EntryKey
 from avatar_cli.service.text_client import ServiceError, TextServiceClient
 
 PROMPTS = ("smiling", "calm person talking", "happy", "surprised lively", "neutral still", "energetic speaking",

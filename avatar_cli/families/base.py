@@ -206,7 +206,7 @@ class Family(ABC):
         cuts such a prompt (as the official code does), so the render warns and the text service refuses it."""
         return None
 
-    # The text cache (pipeline/text_cache.py) stores the prompt's conditioning as flat named tensors (safetensors,
+    # The text cache (avatar_cli/prompts/) stores the prompt's conditioning as flat named tensors (safetensors,
     # never a pickle). A family that does not say how is not cached: its prompt is encoded for every job.
     def prompt_tensors(self, out: Any) -> dict[str, torch.Tensor] | None:
         """`prompt`'s output -> named tensors that `prompt_from_tensors` turns back into it; None: not cached."""
