@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from avatar_cli.runtime.device import cpu_info
 
 FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
-MATMUL_STAGES = ("context", "a2v")  # transformer work; reference (VAE encode), sr and decode are convolutions
+MATMUL_STAGES = ("prompt", "context", "a2v")  # transformer work; reference (VAE encode), sr and decode are convolutions
 
 
 def describe() -> dict:

@@ -6,8 +6,9 @@ A family knows its own models. It declares
 - its chunk plan and its sampler,
 - and how one chunk's model inputs are built, denoised, kept, refined and decoded.
 
-The Pipeline runs these steps in its fixed order, timing each and bringing each step's components onto the
-device (`Step.needs`); the Stages wrap them one step each. Neither knows any family: they see only this
+The Pipeline runs these steps in its fixed order (`Step`: one name each, the same in `Family.needs`, the Stages'
+`step` and the render summary's `compute_s`), timing each and bringing each step's components onto the device
+(`Family.needs`); the Stages wrap them one step each. Neither knows any family: they see only this
 interface, and a family imports nothing of pipeline/, runtime/ or the CLI, and of media/ only the AudioSource
 protocol it reads audio through (media/source.py, which imports nothing of the project).
 
@@ -18,6 +19,7 @@ is its own business, and all of it is saved in resume checkpoints, so a resumed 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, ClassVar, Protocol
 
 import numpy as np
@@ -25,6 +27,18 @@ import torch
 from torch import nn
 
 from avatar_cli.media.source import AudioSource  # noqa: F401  (the families read audio through it)
+
+
+class Step(str, Enum):
+    """The six steps of a render, in the order the Pipeline runs them; a str, so a step is its name everywhere (the
+    keys of `Family.needs`, a Stage's `step`, the render summary's `compute_s`)."""
+
+    reference = "reference"  # once per job: the reference picture's conditioning (Family.reference)
+    prompt = "prompt"  # once per job: the prompt's conditioning, through the text cache (Family.prompt)
+    context = "context"  # per chunk: audio features, noise and the given frames (Family.context)
+    a2v = "a2v"  # per chunk: audio-to-video, the sampler denoising the chunk's latents (Family.denoise)
+    sr = "sr"  # per published stretch: the latents refined for the decoder, super-resolution (Family.refine)
+    decode = "decode"  # per published stretch: latents to frames, handed on to the sink (Family.decode)
 
 
 @dataclass(frozen=True)
@@ -135,7 +149,7 @@ class Family(ABC):
     """
 
     name: ClassVar[str]
-    needs: ClassVar[Mapping[str, tuple[str, ...]]]  # step -> components: reference, prompt, context, denoise, refine, decode
+    needs: ClassVar[Mapping[Step, tuple[str, ...]]]  # step -> the components it runs (every Step a key)
     # Later chunks are conditioned on decoded frames (re-encoded motion pixels): then every rank decodes, not
     # only the one that writes the file, and the decode step may update the rolling state.
     decode_feeds_back: ClassVar[bool] = False

@@ -10,7 +10,7 @@ from contextlib import nullcontext
 
 import torch
 
-from avatar_cli.families.base import Chunk, Family, Final, RollingState, Sampling
+from avatar_cli.families.base import Chunk, Family, Final, RollingState, Sampling, Step
 from avatar_cli.media.sink import Sink
 from avatar_cli.media.source import AudioSource
 from avatar_cli.modules.module import Module, not_loaded
@@ -23,8 +23,9 @@ from avatar_cli.runtime.placement import Placement
 from avatar_cli.spec import JobSpec
 from avatar_cli.stages.a2v import AudioToVideo
 from avatar_cli.stages.base import StageTimer
-from avatar_cli.stages.context import ContextGen, PromptEncode
+from avatar_cli.stages.context import ContextGen
 from avatar_cli.stages.publish import DecodePublish, Publisher, PublishHere
+from avatar_cli.stages.prompt import PromptEncode
 from avatar_cli.stages.reference import ReferenceEncode
 from avatar_cli.stages.sr import SuperResolve
 
@@ -98,21 +99,21 @@ class Pipeline:
         stage = self.placement.stage
         # 1. Reference and prompt conditioning: computed once, kept for the whole job.
         prompt_needs = self.prompt.needs_for(spec.prompt)  # none when the prompt's encoding is cached
-        with timer("reference"), stage(self.reference.needs, then=prompt_needs):
+        with timer(Step.reference), stage(self.reference.needs, then=prompt_needs):
             ref = self.reference.run(image)
-        with timer("context"), stage(prompt_needs, then=self.context.needs):
+        with timer(Step.prompt), stage(prompt_needs, then=self.context.needs):
             text = self.prompt.run(spec.prompt)
 
         for i in range(first, len(chunks)):
             chunk = chunks[i]
             # 2. Context: audio features for the chunk's frames, noise, and the given frames.
-            with timer("context"), stage(self.context.needs, then=self.a2v.needs):
+            with timer(Step.context), stage(self.context.needs, then=self.a2v.needs):
                 inputs = self.context.run(chunk, audio, fps, text, state, spec.seed)
                 # Later chunks start at most one frame before this one (an I chunk's first anchor).
                 self.context.release_before(audio, chunk.start - 1, fps)
             # 3. Audio-to-video: sample the chunk's latents.
             publishes = chunk.publish_to > state.published  # then super-resolution runs next
-            with timer("a2v"), stage(self.a2v.needs, then=self.sr.needs if publishes else self.context.needs):
+            with timer(Step.a2v), stage(self.a2v.needs, then=self.sr.needs if publishes else self.context.needs):
                 z = self.a2v.run(inputs, ref, sampling, state)
             self.family.keep(chunk, z, state, spec.chunking)
 
@@ -122,7 +123,7 @@ class Pipeline:
             # its own process and hands back each stretch once written (its resume point is saved then).
             final = state.take_final(chunk.publish_to)
             if final is not None:
-                with timer("sr"), stage(self.sr.needs, then=out.needs or self.context.needs):
+                with timer(Step.sr), stage(self.sr.needs, then=out.needs or self.context.needs):
                     final = Final(final.start, final.end, self.sr.run(final.z, ref))
                 # Timed and placed only where this process decodes (not: a decode worker, a rank that skips it).
                 timed = timer(out.step) if out.step else nullcontext()

@@ -31,14 +31,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from avatar_cli.families.base import Family, Final, RollingState, Sampling
+from avatar_cli.families.base import Family, Final, RollingState, Sampling, Step
 from avatar_cli.media.source import AudioSource
 from avatar_cli.pipeline.events import ChunkDone, RenderStats, ResumeFrom, Stretch
 from avatar_cli.runtime.distributed import Dist
 from avatar_cli.runtime.placement import Placement
 from avatar_cli.stages.a2v import AudioToVideo
 from avatar_cli.stages.base import StageTimer
-from avatar_cli.stages.context import ContextGen, PromptEncode
+from avatar_cli.stages.context import ContextGen
+from avatar_cli.stages.prompt import PromptEncode
 from avatar_cli.stages.publish import Publisher
 from avatar_cli.stages.reference import ReferenceEncode
 from avatar_cli.stages.sr import SuperResolve
@@ -141,9 +142,9 @@ def rank_skips(family: Family, rank: int) -> set[str]:
     refine steps'; a step rank all but the decode-only ones."""
     needs = family.needs
     if rank == DECODE_RANK:
-        keep = set(needs.get("decode", ())) | set(needs.get("refine", ()))
+        keep = set(needs.get(Step.decode, ())) | set(needs.get(Step.sr, ()))
     else:
-        keep = {n for step in ("reference", "prompt", "context", "denoise") for n in needs.get(step, ())}
+        keep = {n for step in (Step.reference, Step.prompt, Step.context, Step.a2v) for n in needs.get(step, ())}
     return set(family.components) - keep
 
 
@@ -194,17 +195,17 @@ def _step_rank(stages: StepStages, placement: Placement, dist_: Dist, spec, imag
     dtype = next(models["dit"].parameters()).dtype
     if first < len(chunks):
         stages.context.release_before(audio, chunks[first].start - 1, fps)
-    with timer("reference"), stage(stages.reference.needs):
+    with timer(Step.reference), stage(stages.reference.needs):
         ref = stages.reference.run(image)
-    with timer("context"), stage(stages.prompt.needs_for(spec.prompt)):
+    with timer(Step.prompt), stage(stages.prompt.needs_for(spec.prompt)):
         text = stages.prompt.run(spec.prompt)
     try:
         for i in range(first, len(chunks)):
             chunk = chunks[i]
-            with timer("context"), stage(stages.context.needs):
+            with timer(Step.context), stage(stages.context.needs):
                 inputs = stages.context.run(chunk, audio, fps, text, state, spec.seed)
                 stages.context.release_before(audio, chunk.start - 1, fps)
-            with timer("a2v"), stage(stages.a2v.needs):
+            with timer(Step.a2v), stage(stages.a2v.needs):
                 if family.needs_sink_frame(chunk.index, state) and step != last - 1:
                     family.put_sink_frame(state, recv(last, device, group))  # rolled by the last step's rank
                 x = family.block_noise(inputs, ref, dtype) if step == 0 else recv(dist_.rank - 1, device, group)
@@ -241,9 +242,9 @@ def _decode_rank(stages: StepStages, placement: Placement, dist_: Dist, spec, ch
         family.merge_step_tensors(state, per_step, chunk.index)
         final = state.take_final(chunk.publish_to)
         if final is not None:
-            with timer("sr"), stage(stages.sr.needs):
+            with timer(Step.sr), stage(stages.sr.needs):
                 final = Final(final.start, final.end, stages.sr.run(final.z, None))
-            with timer(out.step or "decode"), stage(out.needs):
+            with timer(out.step or Step.decode), stage(out.needs):
                 stretches = out.publish(final, i + 1, state)
             for s in stretches:
                 on_stretch(s)

@@ -4,12 +4,12 @@ from typing import Any
 
 import torch
 
-from avatar_cli.families.base import RollingState, Sampling
+from avatar_cli.families.base import RollingState, Sampling, Step
 from avatar_cli.stages.base import Stage
 
 
 class AudioToVideo(Stage):
-    step = "denoise"
+    step = Step.a2v
 
     def run(self, inputs: Any, ref: Any, sampling: Sampling, state: RollingState) -> torch.Tensor:
         """Returns the chunk's latents, one per window position (given frames included). `state`: the rolling

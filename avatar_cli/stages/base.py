@@ -9,7 +9,7 @@ from typing import ClassVar
 
 from torch import nn
 
-from avatar_cli.families.base import Family
+from avatar_cli.families.base import Family, Step
 from avatar_cli.modules.module import Module
 from avatar_cli.runtime.device import Runtime
 from avatar_cli.runtime.flops import flop_counter
@@ -29,6 +29,8 @@ class StageTimer:
 
     @contextmanager
     def __call__(self, name: str) -> Iterator[None]:
+        """Time a step (a families.base.Step, or another name such as the decode worker's wait) under its name."""
+        name = getattr(name, "value", name)  # the plain string: compute_s's keys in the render summary
         counter = flop_counter() if self.flops is not None else nullcontext()
         start = time.perf_counter()
         try:
@@ -63,7 +65,7 @@ class ModelView(Mapping):
 
 
 class Stage:
-    step: ClassVar[str]  # the family step this stage runs
+    step: ClassVar[Step]  # the family step this stage runs
 
     def __init__(self, family: Family, modules: Mapping[str, Module], runtime: Runtime):
         self.needs = family.needs.get(self.step, ())

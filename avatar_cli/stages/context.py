@@ -1,45 +1,15 @@
-"""Context generation: the prompt's conditioning once per job; per chunk, audio features, noise and the
-frames the chunk is given (the family builds them)."""
+"""Context generation, per chunk: audio features, noise and the frames the chunk is given (the family builds
+them)."""
 
-from collections.abc import Mapping
 from typing import Any
 
-from avatar_cli.families.base import Chunk, Family, RollingState
+from avatar_cli.families.base import Chunk, RollingState, Step
 from avatar_cli.media.source import AudioSource
-from avatar_cli.modules.module import Module
-from avatar_cli.prompts.cache import PromptCache
-from avatar_cli.runtime.device import Runtime
-from avatar_cli.stages.base import ModelView, Stage
-
-
-class PromptEncode(Stage):
-    """prompts: the text cache (prompts/cache.py PromptCache), or None to encode every time. When the
-    runner found the job's prompt there it did not load the encoder: this stage then needs nothing."""
-
-    step = "prompt"
-
-    def __init__(self, family: Family, modules: Mapping[str, Module], runtime: Runtime,
-                 prompts: PromptCache | None = None):
-        self.prompts = prompts
-        if prompts is not None and any(n not in modules for n in family.needs.get(self.step, ())):
-            # Not loaded: the runner found the prompt in the cache. Nothing to bring onto the device.
-            self.family, self.runtime, self.needs, self.models = family, runtime, (), ModelView({})
-            return
-        super().__init__(family, modules, runtime)
-
-    def needs_for(self, prompt: str) -> tuple[str, ...]:
-        """The components to bring onto the device for this prompt: none when its encoding is at hand."""
-        return () if self.prompts is not None and prompt in self.prompts.known else self.needs
-
-    def run(self, prompt: str) -> Any:
-        rt = self.runtime
-        if self.prompts is None:
-            return self.family.prompt(self.models, prompt, rt.device, rt.dtype)
-        return self.prompts.encode(self.models, prompt, rt.device, rt.dtype)
+from avatar_cli.stages.base import Stage
 
 
 class ContextGen(Stage):
-    step = "context"
+    step = Step.context
 
     def run(self, chunk: Chunk, audio: AudioSource, fps: float, text: Any, state: RollingState, seed: int) -> Any:
         rt = self.runtime

@@ -11,7 +11,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from avatar_cli.families.base import Final, RollingState
+from avatar_cli.families.base import Final, RollingState, Step
 from avatar_cli.media.sink import EMPTY_DIGEST, HashingSink, Sink
 from avatar_cli.pipeline.events import Stretch
 from avatar_cli.stages.base import Stage
@@ -34,7 +34,7 @@ def fit_frames(x: torch.Tensor, width: int, height: int) -> torch.Tensor:
 
 
 class DecodePublish(Stage):
-    step = "decode"
+    step = Step.decode
 
     def run(self, final: Final, state: RollingState, sink: Sink | None, size: tuple[int, int]) -> int:
         """final: consecutive final latents; the decoder's cache carries in `state`. Returns frames published.
@@ -85,7 +85,7 @@ class PublishHere:
         self.hashing = HashingSink(sink) if sink is not None else None
         decodes = sink is not None or stage.family.decode_feeds_back
         self.needs = stage.needs if decodes else ()
-        self.step = "decode" if decodes else None
+        self.step = Step.decode if decodes else None
         self.first_put: float | None = None
         self.seconds: dict[str, float] = {}
 

@@ -4,11 +4,12 @@ from typing import Any
 
 import torch
 
+from avatar_cli.families.base import Step
 from avatar_cli.stages.base import Stage
 
 
 class ReferenceEncode(Stage):
-    step = "reference"
+    step = Step.reference
 
     def run(self, image: torch.Tensor) -> Any:
         """image (3, H, W) float in [-1, 1] at the family's native size."""

@@ -4,11 +4,12 @@ from typing import Any
 
 import torch
 
+from avatar_cli.families.base import Step
 from avatar_cli.stages.base import Stage
 
 
 class SuperResolve(Stage):
-    step = "refine"
+    step = Step.sr
 
     def run(self, z: torch.Tensor, ref: Any) -> torch.Tensor:
         return self.family.refine(self.models, z, ref)

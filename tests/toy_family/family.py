@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from avatar_cli.families.base import (AudioSource, Chunk, Family, Final, Geometry, Models, ParallelPlan,
-                                      RollingState, Sampling)
+                                      RollingState, Sampling, Step)
 from tests.toy_family.model import ToyNet, ToyParams, ToyText
 
 SAMPLE_RATE = 16_000
@@ -22,8 +22,8 @@ def word_ids(prompt: str, vocab: int) -> list[int]:
 
 class ToyFamily(Family):
     name = "toy"
-    needs = {"reference": ("net",), "prompt": ("text",), "context": (), "denoise": ("net",), "refine": (),
-             "decode": ("net",)}
+    needs = {Step.reference: ("net",), Step.prompt: ("text",), Step.context: (), Step.a2v: ("net",), Step.sr: (),
+             Step.decode: ("net",)}
 
     def __init__(self, config: ToyParams):
         self.config = config

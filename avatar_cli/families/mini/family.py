@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from avatar_cli.families.base import (AudioSource, Chunk, Family, Final, Geometry, Models, ParallelPlan,
-                                      RollingState, Sampling)
+                                      RollingState, Sampling, Step)
 from avatar_cli.families.mini.audio import frame_window_starts, log_mel_windows
 from avatar_cli.families.mini.config import COMPONENTS, FamilyConfig
 from avatar_cli.families.mini.parallel import SequenceParallelDiT
@@ -30,8 +30,8 @@ class MiniFamily(Family):
     a few Euler flow-matching steps at low resolution, one-step latent super-resolution, a causal VAE decode."""
 
     name = "mini"
-    needs = {"reference": ("vae",), "prompt": ("text",), "context": ("audio",), "denoise": ("dit",),
-             "refine": ("sr",), "decode": ("vae",)}
+    needs = {Step.reference: ("vae",), Step.prompt: ("text",), Step.context: ("audio",), Step.a2v: ("dit",),
+             Step.sr: ("sr",), Step.decode: ("vae",)}
     decode_batch = 8  # frames decoded at once: small enough for a quick first frame, big enough for efficient convs
 
     def __init__(self, config: FamilyConfig):

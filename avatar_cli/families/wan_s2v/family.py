@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from avatar_cli.families.base import (AudioSource, Chunk, Family, Final, Geometry, Models, ParallelPlan, RollingState,
-                                      Sampling)
+                                      Sampling, Step)
 from avatar_cli.families.wan_s2v.audio import SAMPLE_RATE, WindowedAudioFeatures, normalization_stats
 from avatar_cli.families.wan_s2v.components import UMT5Text, Wav2Vec2Audio
 from avatar_cli.families.wan_s2v.dit import WanS2VDiT
@@ -82,8 +82,8 @@ def size_less_than_area(h: int, w: int, target_area: int, divisor: int = SIZE_DI
 
 class WanS2VFamily(Family):
     name = "wan-s2v"
-    needs = {"reference": ("vae",), "prompt": ("text",), "context": ("audio",), "denoise": ("dit",),
-             "refine": (), "decode": ("vae",)}
+    needs = {Step.reference: ("vae",), Step.prompt: ("text",), Step.context: ("audio",), Step.a2v: ("dit",),
+             Step.sr: (), Step.decode: ("vae",)}
     decode_feeds_back = True  # the next clip's motion latents are re-encoded decoded frames
     # 1: the last audio layer is wav2vec2's post-layer-norm output, as the official code reads it;
     # 2: the reference is resized as the official code resizes it (PIL, then 8 bits; fit_reference)
