@@ -129,12 +129,12 @@ class Pipeline:
                 timed = timer(out.step) if out.step else nullcontext()
                 with timed, stage(out.needs, then=self.context.needs) if out.needs else nullcontext():
                     stretches = out.publish(final, i + 1, state)
-                for s in stretches:
-                    on_stretch(s)
+                for stretch in stretches:
+                    on_stretch(stretch)
             on_chunk(ChunkDone(chunk, time.perf_counter() - t0, state.published))
 
-        for s in out.finish():
-            on_stretch(s)
+        for stretch in out.finish():
+            on_stretch(stretch)
         for step, seconds in out.seconds.items():
             timer.seconds[step] += seconds
         # perf_counter is system-wide (CLOCK_MONOTONIC): a worker process's first_put is on this clock too.

@@ -246,9 +246,9 @@ def _decode_rank(stages: StepStages, placement: Placement, dist_: Dist, spec, ch
                 final = Final(final.start, final.end, stages.sr.run(final.z, None))
             with timer(out.step or Step.decode), stage(out.needs):
                 stretches = out.publish(final, i + 1, state)
-            for s in stretches:
-                on_stretch(s)
+            for stretch in stretches:
+                on_stretch(stretch)
         on_chunk(ChunkDone(chunk, time.perf_counter() - t0, state.published))
-    for s in out.finish():
-        on_stretch(s)
+    for stretch in out.finish():
+        on_stretch(stretch)
     return out.first_put - t0 if out.first_put is not None else None
