@@ -15,7 +15,7 @@ Where avatar differs from the official pipeline on purpose (wan_s2v/family.py), 
 - the frame count: the official code makes whole clips (77 + 80 = 157 frames here), avatar round(duration x fps);
   the golden's 9.8125 s of audio makes both 157.
 - the reference crop and resize: avatar's wan-s2v reference is the official one (PIL, 8 bits, centre crop) when
-  the official crop does not pad, as here (96 x 80 -> 64 x 64): nothing to adjust.
+  the official crop does not pad, as here (96 x 80 -> 64 x 64): nothing to adjust; the pixels are compared exactly.
 """
 
 import hashlib
@@ -104,9 +104,14 @@ def test_render_matches_the_official_generate(tmp_path: Path, golden, monkeypatc
     clip_audio = WanS2VFamily.clip_audio
     monkeypatch.setattr(WanS2VFamily, "clip_audio", lambda self, models, audio, start, length, fps: clip_audio(
         self, models, audio, start + LEAD, length, fps))
-    # A read-only tap on the decode: the latents it is handed, the float frames it publishes, the motion it makes.
-    seen = {"z": [], "frames": [], "motion": []}
-    decode = WanS2VFamily.decode
+    # Read-only taps: the reference picture as the VAE encoder gets it; the latents the decode is handed, the float
+    # frames it publishes, the motion latents it makes.
+    seen = {"image": [], "z": [], "frames": [], "motion": []}
+    reference, decode = WanS2VFamily.reference, WanS2VFamily.decode
+
+    def tapped_reference(self, models, image, device, dtype):
+        seen["image"].append(image.clone())  # (3, H, W) in [-1, 1]
+        return reference(self, models, image, device, dtype)
 
     def tapped(self, models, final, state, put):
         seen["z"].append(final.z.clone())  # (n, 16, h, w)
@@ -120,6 +125,7 @@ def test_render_matches_the_official_generate(tmp_path: Path, golden, monkeypatc
             seen["motion"].append(state.tensors["motion"].clone())
         return made
 
+    monkeypatch.setattr(WanS2VFamily, "reference", tapped_reference)
     monkeypatch.setattr(WanS2VFamily, "decode", tapped)
     for name in ("reference.png", "speech.wav"):
         shutil.copyfile(E2E / name, tmp_path / name)
@@ -142,6 +148,8 @@ def test_render_matches_the_official_generate(tmp_path: Path, golden, monkeypatc
         assert a.shape == b.shape, (a.shape, b.shape)
         return float((a - b).abs().max())
 
+    # The reference: resized and cropped as the official code does, to the bit (PIL, 8 bits, ToTensor * 2 - 1).
+    assert torch.equal(seen["image"][0], official["ref_pixels"])
     # Conditioning and sampling: the reference latent, each clip's latents, clip 1's motion latents.
     assert worst(z[:, :1], official["ref_latent"]) <= ROUNDING
     assert worst(z[:, 1:21], official["latents_0"]) <= ROUNDING

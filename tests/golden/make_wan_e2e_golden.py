@@ -37,7 +37,8 @@ Writes to tests/golden/wan_s2v_e2e/:
   the official output at the frame indices `frame_index` (every 5th frame, which walks all 4 frames of a latent,
   plus the clip boundaries 76, 77 and the last, 156); `latents_0` (16, 20, 8, 8) and `latents_1`: each clip's
   sampled latents; `ref_latent` (16, 1, 8, 8); `motion_1` (16, 19, 8, 8): the motion latents clip 1 is conditioned
-  on (the re-encoded last 73 frames of clip 0);
+  on (the re-encoded last 73 frames of clip 0); `ref_pixels` (3, 64, 64): the reference as the VAE encoder takes it
+  (resized, cropped, in [-1, 1]);
 - official.json: the job, the versions and commit, the patches, the timings, and `files`: each file of the model
   directory with its sha256, and for weight files each tensor's dtype, shape and sha256, so a test that writes the
   directory again from the committed weights can show it holds exactly what the official classes wrote.
@@ -310,11 +311,12 @@ class Recorder:
     """Wraps the pipeline's VAE to keep what generate() encodes and decodes (a read-only tap)."""
 
     def __init__(self, vae):
-        self.vae, self.encoded, self.decoded = vae, [], []
+        self.vae, self.inputs, self.encoded, self.decoded = vae, [], [], []
         self.encode_, self.decode_ = vae.encode, vae.decode
         vae.encode, vae.decode = self.encode, self.decode
 
     def encode(self, videos):
+        self.inputs.append([u.clone() for u in videos])
         out = self.encode_(videos)
         self.encoded.append([u.clone() for u in out])
         return out
@@ -394,7 +396,9 @@ def main() -> None:
     assert torch.equal(dec0[:, :1], ref_latent)
     assert torch.equal(dec1[:, :lat_motion], rec.encoded[3][0])
     index = sorted(set(range(0, n, FRAME_STEP)) | {76, 77, n - 1})
+    ref_pixels = rec.inputs[0][0]  # (3, 1, H, W): the resized, cropped reference in [-1, 1]
     tensors = {"frames": video[:, index].contiguous(), "frame_index": torch.tensor(index),
+               "ref_pixels": ref_pixels[:, 0].contiguous(),
                "latents_0": dec0[:, 1:].contiguous(), "latents_1": dec1[:, lat_motion:].contiguous(),
                "ref_latent": ref_latent.contiguous(), "motion_1": dec1[:, :lat_motion].contiguous()}
     save_file(tensors, str(OUT / "official.safetensors"), metadata=as_metadata(prov))
