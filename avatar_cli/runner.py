@@ -10,10 +10,11 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Collection
-from dataclasses import dataclass, field, replace
+from collections.abc import Collection, Iterator, MutableMapping
+from dataclasses import dataclass, field, fields, replace
 from enum import Enum
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -39,7 +40,7 @@ from avatar_cli.stages.decode_worker import DecodeWorker
 from avatar_cli.spec import Decode
 from avatar_cli.stages.publish import Publisher
 
-__all__ = ["ModelCache", "ResolvedJob", "Resume", "check_output", "prepare", "render", "setup_runtime"]
+__all__ = ["ModelCache", "RenderSummary", "ResolvedJob", "Resume", "check_output", "prepare", "render", "setup_runtime"]
 
 # What the tests, the bench and the batch call: a job resolved once (avatar_cli/job.py), then rendered.
 prepare = resolve
@@ -52,6 +53,65 @@ class Resume(str, Enum):
     never = "never"  # start over (--force)
     auto = "auto"  # continue it if its checkpoint is there, else start over (a plain rerun)
     strict = "strict"  # continue it, and refuse to discard a checkpoint of a changed job (--resume)
+
+
+@dataclass(eq=False)
+class RenderSummary(MutableMapping):
+    """What a finished render reports: the `done` event's fields, in its order. Read and written as a mapping too
+    (`summary["frames"]`, `{**summary}`), as the event's JSON object; keys a caller adds (a benchmark's own
+    figures) go to `extra` and follow the fields."""
+
+    output: str
+    frames: int
+    video_fps: float
+    duration_s: float  # the video's length
+    wall_s: float  # render() start to the committed file
+    ttff_s: float  # render start (models loaded) to the first frame handed to the encoder
+    render_fps: float  # frames generated per second of generation (a resumed render's copied frames excluded)
+    rtf: float  # video seconds generated per second of generation
+    peak_rss_mb: float
+    load_s: float  # render() start to the first chunk: runtime, resume, load and place
+    generate_s: float
+    compute_s: dict[str, float]  # seconds per step (families.base.Step names; decode_wait with a decode worker)
+    resumed_at: int  # the frame generation continued from (0: from the start)
+    frames_digest: str  # sha256 over every frame's pixels, in order: equal renders have equal digests
+    ranks: int
+    text_cache: str  # hit | service | miss | off
+    dtype: str
+    dtype_reason: str
+    cpu_capability: str
+    transitions: bool  # chunking.transitions as resolved
+    decode_worker_peak_rss_mb: float | None = None  # runtime.decode=worker only (absent from the event otherwise)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
+        if out["decode_worker_peak_rss_mb"] is None:
+            del out["decode_worker_peak_rss_mb"]
+        return {**out, **self.extra}
+
+    def __getitem__(self, key: str) -> Any:
+        return self.as_dict()[key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key in _SUMMARY_FIELDS:
+            setattr(self, key, value)
+        else:
+            self.extra[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        if key in _SUMMARY_FIELDS:
+            raise KeyError(f"{key}: a field of the render summary")
+        del self.extra[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.as_dict())
+
+    def __len__(self) -> int:
+        return len(self.as_dict())
+
+
+_SUMMARY_FIELDS = {f.name for f in fields(RenderSummary)} - {"extra"}
 
 
 def make_output_folder(output: Path) -> None:
@@ -196,7 +256,7 @@ def _share_resume(dist: Dist, resume_from: ResumeFrom | None, runtime: Runtime) 
 
 
 def render(p: ResolvedJob, reporter: Reporter, models: ModelCache | None = None,
-           resume: Resume | str = Resume.never) -> dict:
+           resume: Resume | str = Resume.never) -> RenderSummary:
     """Render a resolved job to `p.job.output`; returns the summary the `done` event carries.
 
     resume: auto continues an interrupted render of this same job if its checkpoint is there (else starts
@@ -230,7 +290,7 @@ def render(p: ResolvedJob, reporter: Reporter, models: ModelCache | None = None,
 
 
 def _render_locked(p: ResolvedJob, reporter: Reporter, models: ModelCache | None, resume: Resume, runtime: Runtime,
-                   dist: Dist, frames: int, fingerprint: dict[str, str], t_start: float) -> dict:
+                   dist: Dist, frames: int, fingerprint: dict[str, str], t_start: float) -> RenderSummary:
     spec, main, partial = p.job.spec, dist.is_main, p.job.partial_output
     checkpoint, resume_from, source, copy_to = ckpt.Checkpoint(fingerprint, frames, spec.seed), None, None, 0
     found = _resume_point(p, fingerprint, reporter, resume == Resume.strict) if main and resume != Resume.never else None
@@ -331,20 +391,17 @@ def _render_locked(p: ResolvedJob, reporter: Reporter, models: ModelCache | None
 
     duration = frames / spec.video.fps
     made = stats.frames - first_put
-    return {
-        "output": str(p.job.output), "frames": frames, "video_fps": spec.video.fps,
-        "duration_s": round(duration, 4), "wall_s": round(time.perf_counter() - t_start, 4),
-        "ttff_s": round(stats.ttff_s, 4), "render_fps": round(made / gen_s, 3),
-        "rtf": round(made / spec.video.fps / gen_s, 4), "peak_rss_mb": round(peak_rss_mb(), 1),
-        "load_s": round(t_render - t_start, 4), "generate_s": round(gen_s, 4),
-        "compute_s": {k: round(v, 4) for k, v in stats.compute_s.items()},
-        "resumed_at": first_put, "frames_digest": checkpoint.frames_digest, "ranks": dist.world_size,
-        "text_cache": prompt_cache.outcome(prompts, cached),
-        "dtype": dtype_name(runtime.dtype), "dtype_reason": runtime.dtype_reason,
-        "cpu_capability": cpu_info().capability,
-        "transitions": spec.chunking.transitions,
-        **({"decode_worker_peak_rss_mb": worker.peak_rss_mb} if worker is not None else {}),
-    }
+    return RenderSummary(
+        output=str(p.job.output), frames=frames, video_fps=spec.video.fps, duration_s=round(duration, 4),
+        wall_s=round(time.perf_counter() - t_start, 4), ttff_s=round(stats.ttff_s, 4),
+        render_fps=round(made / gen_s, 3), rtf=round(made / spec.video.fps / gen_s, 4),
+        peak_rss_mb=round(peak_rss_mb(), 1), load_s=round(t_render - t_start, 4), generate_s=round(gen_s, 4),
+        compute_s={k: round(v, 4) for k, v in stats.compute_s.items()}, resumed_at=first_put,
+        frames_digest=checkpoint.frames_digest, ranks=dist.world_size,
+        text_cache=prompt_cache.outcome(prompts, cached), dtype=dtype_name(runtime.dtype),
+        dtype_reason=runtime.dtype_reason, cpu_capability=cpu_info().capability,
+        transitions=spec.chunking.transitions,
+        decode_worker_peak_rss_mb=worker.peak_rss_mb if worker is not None else None)
 
 
 def _after_failure(kept: bool) -> str:
