@@ -65,7 +65,7 @@ def test_hashing_sink_digests_each_stretch_and_passes_everything_on():
 def test_publish_here_decodes_into_its_sink_and_reports_the_stretch():
     stage, inner = FakeDecode(), ListSink()
     out = PublishHere(stage, inner, (6, 4))
-    assert (out.needs, out.step) == (("vae",), "decode")
+    assert out.needs == ("vae",)
     state = RollingState(published=3)
     [stretch] = out.publish(Final(3, 5, torch.tensor([1.0, 2.0])), 4, state)
     assert (stretch.next_chunk, stretch.start, stretch.end, stretch.state) == (4, 3, 5, state)
@@ -79,12 +79,12 @@ def test_a_rank_that_writes_nothing_decodes_only_for_a_family_that_feeds_back():
     skip = PublishHere(FakeDecode(), None, (6, 4))
     state = RollingState()
     [stretch] = skip.publish(Final(0, 2, torch.zeros(2)), 1, state)
-    assert (skip.needs, skip.step, skip.stage.calls) == ((), None, 0)
+    assert (skip.needs, skip.stage.calls) == ((), 0)
     assert (stretch.digest, state.published) == (EMPTY_DIGEST, 2)
 
     feeds_back = PublishHere(FakeDecode(feeds_back=True), None, (6, 4))
     feeds_back.publish(Final(0, 2, torch.zeros(2)), 1, RollingState())
-    assert (feeds_back.needs, feeds_back.step, feeds_back.stage.calls) == (("vae",), "decode", 1)
+    assert (feeds_back.needs, feeds_back.stage.calls) == (("vae",), 1)
 
 
 def members(protocol: type) -> set[str]:
@@ -96,5 +96,5 @@ def test_the_shipped_implementations_have_every_member_of_their_protocol():
                           (PublishHere, Publisher), (DecodeWorker, Publisher)):
         missing = {m for m in members(protocol) if not hasattr(cls, m)}
         if cls in (PublishHere, DecodeWorker):  # attributes set in __init__
-            missing -= {"first_put", "seconds", "needs", "step"} & set(vars(protocol).get("__annotations__", {}))
+            missing -= {"first_put", "seconds", "needs"}
         assert not missing, f"{cls.__name__} lacks {sorted(missing)} of {protocol.__name__}"

@@ -6,7 +6,7 @@ which decodes them, here or in a worker process, into a Sink (media/sink.py); wh
 
 import time
 from collections.abc import Callable, Collection, Mapping
-from contextlib import nullcontext
+from contextlib import ExitStack
 
 import torch
 
@@ -125,9 +125,10 @@ class Pipeline:
             if final is not None:
                 with timer(Step.sr), stage(self.sr.needs, then=out.needs or self.context.needs):
                     final = Final(final.start, final.end, self.sr.run(final.z, ref))
-                # Timed and placed only where this process decodes (not: a decode worker, a rank that skips it).
-                timed = timer(out.step) if out.step else nullcontext()
-                with timed, stage(out.needs, then=self.context.needs) if out.needs else nullcontext():
+                with ExitStack() as here:
+                    if out.needs:  # the decode runs in this process (not: a decode worker, a rank that skips it)
+                        here.enter_context(timer(Step.decode))
+                        here.enter_context(stage(out.needs, then=self.context.needs))
                     stretches = out.publish(final, i + 1, state)
                 for stretch in stretches:
                     on_stretch(stretch)

@@ -244,7 +244,7 @@ def _decode_rank(stages: StepStages, placement: Placement, dist_: Dist, spec, ch
         if final is not None:
             with timer(Step.sr), stage(stages.sr.needs):
                 final = Final(final.start, final.end, stages.sr.run(final.z, None))
-            with timer(out.step or Step.decode), stage(out.needs):
+            with timer(Step.decode), stage(out.needs):
                 stretches = out.publish(final, i + 1, state)
             for stretch in stretches:
                 on_stretch(stretch)

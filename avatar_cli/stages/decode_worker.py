@@ -153,11 +153,10 @@ class DecodeWorker:
     `close` (finish the MP4) or `abort` (after a failure: keep what was encoded). Rank 0 alone makes one.
 
     As a Publisher (stages/publish.py): `publish` submits, `finish` drains; the decode runs in the worker, so
-    nothing is brought onto this process's device for it (`needs` is empty) and the loop does not time it
-    (`step` None): `seconds` gives the worker's decode seconds and this process's seconds blocked on it."""
+    nothing is brought onto this process's device for it and the loop does not time it (`needs` is empty):
+    `seconds` gives the worker's decode seconds and this process's seconds blocked on it."""
 
     needs: tuple[str, ...] = ()
-    step: str | None = None
 
     def __init__(self, source: Any, runtime: Runtime, world_size: int, writer_path: str, writer_args: dict,
                  size: tuple[int, int], threads: int | None = None):

@@ -54,13 +54,12 @@ class DecodePublish(Stage):
 class Publisher(Protocol):
     """What the chunk loop hands final latents to, wherever they are decoded.
 
-    needs: components this process runs in `publish` (the loop brings them onto the device around it); step: the
-    compute_s key the loop bills `publish` to (None: not timed there); first_put: perf_counter when the first frame
-    reached the Sink (None: none yet); seconds: compute seconds it measured itself, added to the loop's at the end.
+    needs: the components `publish` runs in this process (none: it decodes elsewhere, or not at all); the loop
+    brings them onto the device around it and times it as the decode step. first_put: perf_counter when the first
+    frame reached the Sink (None: none yet). seconds: compute seconds it measured itself, added to the loop's.
     """
 
     needs: tuple[str, ...]
-    step: str | None
     first_put: float | None
     seconds: dict[str, float]
 
@@ -83,14 +82,13 @@ class PublishHere:
     def __init__(self, stage: DecodePublish, sink: Sink | None, size: tuple[int, int]):
         self.stage, self.size = stage, size
         self.hashing = HashingSink(sink) if sink is not None else None
-        decodes = sink is not None or stage.family.decode_feeds_back
-        self.needs = stage.needs if decodes else ()
-        self.step = Step.decode if decodes else None
+        self.decodes = sink is not None or stage.family.decode_feeds_back
+        self.needs = stage.needs if self.decodes else ()
         self.first_put: float | None = None
         self.seconds: dict[str, float] = {}
 
     def publish(self, final: Final, next_chunk: int, state: RollingState) -> list[Stretch]:
-        n = self.stage.run(final, state, self.hashing, self.size) if self.step else final.frames
+        n = self.stage.run(final, state, self.hashing, self.size) if self.decodes else final.frames
         state.published += n
         if self.first_put is None:
             self.first_put = time.perf_counter()
