@@ -72,8 +72,9 @@ def tensor_digest(t: torch.Tensor) -> str:
 
 
 def check_model_dir(d: Path, files: dict) -> None:
-    """Every file the official classes wrote, and nothing else: byte for byte, except the .pth pickles (their bytes
-    follow the torch version), which must hold the same tensors, in the same order, and the same _metadata."""
+    """Every file the official classes wrote, and nothing else: byte for byte, except the .pth files (torch.save
+    writes a random serialization id into each, so no two saves are alike), which must hold the same tensors, in
+    the same order, and the same _metadata."""
     assert sorted(p.relative_to(d).as_posix() for p in d.rglob("*") if p.is_file()) == sorted(files)
     for rel, f in files.items():
         # A weight golden this directory is made from changed: make the end-to-end golden again.
