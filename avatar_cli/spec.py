@@ -57,6 +57,13 @@ class Parallel(str, Enum):
     steps = "steps"
 
 
+class Mode(str, Enum):
+    """The generation modes a family may render in (families/registry.py says which each family has)."""
+
+    clip = "clip"  # chunk by chunk, each chunk a whole sampled clip (mini; wan-s2v's official clip loop)
+    streaming = "streaming"  # LiveAvatar's few-step blocks with key/value caches (wan-s2v)
+
+
 class Decode(str, Enum):
     auto = "auto"
     inline = "inline"
@@ -139,7 +146,7 @@ class JobSpec:
     prompt: str = ""
     seed: int = 0
     model: str = "mini"
-    mode: str = "clip"  # wan-s2v: clip (the official clip loop) | streaming (LiveAvatar's 4-step blocks)
+    mode: Mode = Mode.clip  # wan-s2v: clip (the official clip loop) | streaming (LiveAvatar's 4-step blocks)
     # A LoRA merged into the model's DiT once at load (wan-s2v: LiveAvatar's liveavatar.safetensors), a path
     # relative to the job file like `model`; its factors must have rank lora_rank; W <- W + lora_scale · B @ A
     # (None: LiveAvatar's alpha 64 / rank 128 = 0.5; the file carries no alpha, so another rank must set it).
