@@ -346,6 +346,7 @@ def reference(seed: Annotated[int, typer.Option("--seed", help="Identity seed (t
     """Write a procedurally generated reference face (PNG)."""
     def action(reporter):
         from avatar_cli.errors import InputError
+        from avatar_cli.files import atomic_path
         from avatar_cli.media.image import save_png
         from avatar_cli.synth import render_reference
 
@@ -358,9 +359,8 @@ def reference(seed: Annotated[int, typer.Option("--seed", help="Identity seed (t
         if output.exists() and not force:
             raise InputError(f"output: {output} already exists; pass --force to replace it")
         output.parent.mkdir(parents=True, exist_ok=True)
-        tmp = output.with_name(output.name + ".tmp")
-        save_png(tmp, render_reference(seed, size))
-        os.replace(tmp, output)
+        with atomic_path(output) as tmp:
+            save_png(tmp, render_reference(seed, size))
         reporter.info(f"wrote {output}")
 
     _run(action, False, debug)

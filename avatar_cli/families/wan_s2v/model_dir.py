@@ -41,7 +41,7 @@ from avatar_cli.families.wan_s2v.text import UMT5_XXL, UMT5Params, build_text_en
 from avatar_cli.families.wan_s2v.vae import WanVAE, WanVAEParams
 from avatar_cli.modules.loading import TensorIndex
 from avatar_cli.modules.module import Module, build_meta, lazy_module, save_safetensors
-from avatar_cli.modules.tensor_files import CheckpointFormatError, load_pth, read_header
+from avatar_cli.modules.tensor_files import CheckpointFormatError, aligned, load_pth, read_header
 
 FAMILY = "wan-s2v"
 TINY_TOKENIZER = Path(__file__).resolve().parent / "tiny_tokenizer"
@@ -237,12 +237,6 @@ def check_or_fail(cfg: WanS2VConfig) -> None:
                          + f" (run `avatar models check {cfg.path}` for the full report)")
 
 
-def _aligned(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """64-byte aligned tensors (see modules.module.load_module: unaligned ones take slower, differently
-    rounding BLAS paths)."""
-    return {k: v if v.data_ptr() % 64 == 0 else v.clone() for k, v in sd.items()}
-
-
 def load_dit(cfg: WanS2VConfig) -> Module:
     """Lazy: built on meta from config.json with its headers checked; placement reads it onto the device, or
     under FSDP2 each rank only its own rows (modules/loading.py), so 14B is never copied once per rank."""
@@ -269,7 +263,7 @@ def load_vae(cfg: WanS2VConfig) -> Module:
             raise InputError(f"model: {path}: {e.args[0]}") from None
     else:
         sd = load_pth(path)
-    model.load_state_dict(_aligned(sd), strict=True, assign=True)
+    model.load_state_dict(aligned(sd), strict=True, assign=True)
     return Module("vae", model, str(path))
 
 
@@ -281,7 +275,7 @@ def load_text(cfg: WanS2VConfig) -> Module:
         # Diffusers text_encoder/ holds transformers' own names: read back to the official ones load_into takes
         # (its tied embedding, stored once or twice, becomes the one token_embedding).
         sd = hf_to_wan(_read_safetensors(path)) if cfg.layout == wfiles.DIFFUSERS else load_pth(path)
-        load_into(text.model, _aligned(sd))
+        load_into(text.model, aligned(sd))
     except KeyError as e:
         raise InputError(f"model: {path}: {e.args[0]}") from None
     except ValueError as e:
