@@ -2,6 +2,7 @@
 
 import contextlib
 import os
+import signal
 import subprocess
 import sys
 import wave
@@ -42,6 +43,21 @@ def _private_cache_folder(tmp_path_factory) -> None:
     """The text-encoding cache defaults to the user's cache folder: tests (and the renders they start) get a
     folder of their own instead, so they neither read nor leave entries there."""
     os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg_cache"))
+
+
+@pytest.fixture(autouse=True)
+def _process_state_kept():
+    """The CLI runs in the test process (avatar below): each test must leave the working folder and the SIGINT and
+    SIGTERM handlers as it found them, and gets torch's thread count back (a job's runtime.threads sets it for the
+    process, as a batch's next job sets its own)."""
+    import torch
+
+    cwd, threads = os.getcwd(), torch.get_num_threads()
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    torch.set_num_threads(threads)
+    assert os.getcwd() == cwd, f"the test left the working folder at {os.getcwd()}"
+    assert {s: signal.getsignal(s) for s in handlers} == handlers, "the test left SIGINT/SIGTERM handlers changed"
 
 
 @contextlib.contextmanager
