@@ -10,21 +10,18 @@ from packaging.specifiers import SpecifierSet
 from safetensors import safe_open
 
 GOLDEN = Path(__file__).parent / "golden"
-# Files the official code wrote through a library's own writer (transformers' save_pretrained), with no room for ours.
-LIBRARY_WRITTEN = {"model.safetensors"}
+# Weights the official run wrote through transformers' save_pretrained, which leaves no room for our metadata: the
+# golden's JSON (official.json) records that run.
+LIBRARY_WRITTEN = {"model.safetensors", "w2v_model.safetensors"}
 FILES = sorted(p for p in GOLDEN.rglob("*.safetensors") if p.name not in LIBRARY_WRITTEN)
+RECORDS = sorted(p for p in GOLDEN.rglob("*.json") if "official" in json.loads(p.read_text()))
 
 
 def test_goldens_are_found():
     assert len(FILES) >= 10, FILES
 
 
-@pytest.mark.parametrize("path", FILES, ids=lambda p: str(p.relative_to(GOLDEN)))
-def test_golden_ran_under_the_official_pins(path: Path):
-    with safe_open(str(path), "pt") as f:
-        meta = f.metadata() or {}
-    assert "official" in meta, f"{path}: no provenance (made outside tests/golden/official_env.py?)"
-    prov = json.loads(meta["official"])
+def check(path: Path, prov: dict) -> None:
     assert prov["repository"] in ("Wan-Video/Wan2.2", "Alibaba-Quark/LiveAvatar")
     assert len(prov["commit"]) == 40
     assert "transformers_pin" in prov and "torch" in prov
@@ -32,3 +29,22 @@ def test_golden_ran_under_the_official_pins(path: Path):
         pin = prov.get(f"{dist}_pin")
         if pin:
             assert version in SpecifierSet(pin), f"{path}: {dist} {version} is outside the official pin {pin}"
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: str(p.relative_to(GOLDEN)))
+def test_golden_ran_under_the_official_pins(path: Path):
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata() or {}
+    assert "official" in meta, f"{path}: no provenance (made outside tests/golden/official_env.py?)"
+    check(path, json.loads(meta["official"]))
+
+
+def test_every_library_written_file_has_a_record():
+    for path in GOLDEN.rglob("*.safetensors"):
+        if path.name in LIBRARY_WRITTEN:
+            assert any(r.parent in path.parents for r in RECORDS), f"{path}: no official.json beside it"
+
+
+@pytest.mark.parametrize("path", RECORDS, ids=lambda p: str(p.relative_to(GOLDEN)))
+def test_golden_records_ran_under_the_official_pins(path: Path):
+    check(path, json.loads(path.read_text())["official"])

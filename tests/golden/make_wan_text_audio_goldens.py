@@ -227,6 +227,8 @@ def make_w2v(wan_repo: Path, waves: dict):
             elif p.dim() >= 2 and "conv" not in name:
                 p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)  # larger than the 0.02 init: attention is live
     model.save_pretrained(str(folder), safe_serialization=True)
+    # save_pretrained leaves no room for our header metadata: the run's provenance goes beside the weights.
+    (folder / "official.json").write_text(json.dumps({"official": json.loads(META["official"])}, indent=2) + "\n")
     Wav2Vec2FeatureExtractor(feature_size=1, sampling_rate=16000, padding_value=0.0, do_normalize=True,
                              return_attention_mask=True).save_pretrained(str(folder))
 
