@@ -219,3 +219,18 @@ def test_the_fingerprint_follows_the_lora_file_and_scale(job: Path, models, tmp_
     save_file(lora_factors(seed=1), str(copy))
     os.utime(copy, ns=(mtime, mtime + 10**9))
     assert describe_change(first, fingerprint(f"lora={copy}")) == "the LoRA"
+
+
+def test_a_resume_point_of_an_earlier_wan_revision_is_refused(job: Path, models):
+    """Points written before a fix that changed wan-s2v's frames (the official 25th audio layer, the official
+    reference resize) carry an older revision or none: a resume names the change (and --resume refuses) rather than
+    splicing two computations into one video. mini's points, revision 0, carry no such entry."""
+    source = resolve_model(str(models.base), models.root)
+    now = job_fingerprint(load_job(job, []), source)
+    family = source.family
+    assert family.revision >= 2 and now["family"] == f"wan-s2v/{family.revision}"
+    earlier = {k: v for k, v in now.items() if k != "family"}  # written before revisions existed
+    message = "the model family's computation (this version of avatar renders it differently)"
+    assert describe_change(earlier, now) == message
+    assert describe_change({**now, "family": "wan-s2v/1"}, now) == message
+    assert describe_change(dict(now), now) is None

@@ -87,6 +87,6 @@ def describe_change(old: dict[str, str], new: dict[str, str]) -> str | None:
     """None if nothing changed, else which of spec/reference/audio/model/lora changed."""
     names = {"spec": "the job spec", "reference": "the reference image", "audio": "the audio", "model": "the model",
              "lora": "the LoRA",
-             "family": "avatar's computation for this model family (renders of it changed in this release)"}
+             "family": "the model family's computation (this version of avatar renders it differently)"}
     changed = [names.get(k, k) for k in (*new, *(k for k in old if k not in new)) if old.get(k) != new.get(k)]
     return ", ".join(changed) or None
