@@ -91,7 +91,7 @@ class ModelSource:
     def config_family(self) -> Family:
         return self.spec.family(self.config, self.mode)
 
-    @property
+    @cached_property
     def family(self) -> Family:
         """The family that knows these models (one object per source: it may cache its tokenizer)."""
         return self.config_family
