@@ -44,7 +44,6 @@ __all__ = ["ModelCache", "RenderSummary", "ResolvedJob", "Resume", "check_output
 
 # What the tests, the bench and the batch call: a job resolved once (avatar_cli/job.py), then rendered.
 prepare = resolve
-Prepared = ResolvedJob
 
 
 class Resume(str, Enum):
