@@ -151,19 +151,18 @@ def resolve_parallel(job: Job, source: ModelSource, world_size: int) -> tuple[Sp
     return Split(how), why
 
 
-def resolve(job: Job, force: bool = False, world_size: int | None = None,
-            source: ModelSource | None = None) -> ResolvedJob:
+def resolve(job: Job, force: bool = False, world_size: int | None = None) -> ResolvedJob:
     """Open and check every input and make every open choice, without loading models (module docstring).
 
     force: an existing output is allowed (it will be replaced). world_size: the rank count (default: this
-    process's). source: the job's model when the caller resolved it already (`resolve_source`)."""
+    process's)."""
     image = load_image(job.reference, "reference")
     audio = probe_audio(job.audio, "audio")
     fps = job.spec.video.fps
     frames = num_frames(audio.samples, audio.sample_rate, fps)
     if frames == 0:
         raise InputError(f"audio: {job.audio}: {audio.duration_s * 1000:.1f} ms is shorter than one frame at {fps:g} fps")
-    model = source if source is not None else resolve_source(job)
+    model = resolve_source(job)
     family = model.family
     sp = job.spec.sampling
     try:  # a setting this family cannot render is a spec error, before any model loads
@@ -172,7 +171,8 @@ def resolve(job: Job, force: bool = False, world_size: int | None = None,
         raise InputError(f"{job.path}: {e}") from None
     decode_worker.check_setting(job.spec.runtime.decode.value, family)
     runtime = job_runtime(job)
-    prompt_cache.check_service(job, model, runtime)  # a named text service: up and serving this model's encoder, else exit 2
+    # A named text service: up and serving this model's encoder, else exit 2.
+    prompt_cache.check_service(job, model, runtime)
     if job.spec.runtime.parallel == Parallel.steps:
         try:
             check_family(family)

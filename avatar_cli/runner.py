@@ -292,7 +292,9 @@ def _render_locked(p: ResolvedJob, reporter: Reporter, models: ModelCache | None
                    dist: Dist, frames: int, fingerprint: dict[str, str], t_start: float) -> RenderSummary:
     spec, main, partial = p.job.spec, dist.is_main, p.job.partial_output
     checkpoint, resume_from, source, copy_to = ckpt.Checkpoint(fingerprint, frames, spec.seed), None, None, 0
-    found = _resume_point(p, fingerprint, reporter, resume == Resume.strict) if main and resume != Resume.never else None
+    found = None
+    if main and resume != Resume.never:
+        found = _resume_point(p, fingerprint, reporter, resume == Resume.strict)
     if found is not None:
         checkpoint, resume_from, source, copy_to = found
     elif main:
