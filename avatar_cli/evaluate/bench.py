@@ -1,7 +1,8 @@
 """`evaluate`: render held-out identities with held-out speech through the real pipeline and score them.
 
 Identities come from `EVAL_IDENTITY_SEEDS`, speech from seeds >= `HELDOUT_AUDIO_SEED_START`: never trained on.
-Every render goes through `runner.prepare` / `runner.render` on a generated job file, as `avatar render` does.
+Every render goes through `runner.prepare` (job.resolve) / `runner.render` on a generated job file, as `avatar render`
+does.
 """
 
 import datetime

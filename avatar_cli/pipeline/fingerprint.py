@@ -60,7 +60,7 @@ def lora_digest(job: Job) -> str:
     h = hashlib.sha256(f"{job.lora}:{s.lora_rank}:{s.lora_scale!r}".encode())
     try:
         _stamp(h, job.lora)
-    except OSError:  # gone since: differs from any digest of the file, and prepare() says why
+    except OSError:  # gone since: differs from any digest of the file, and job.resolve says why
         h.update(b"missing")
     return h.hexdigest()
 
@@ -78,8 +78,8 @@ def job_fingerprint(job: Job, source: ModelSource) -> dict[str, str]:
 
 
 def _without_lora(source: ModelSource) -> ModelSource:
-    """The source as resolved from the model alone (prepare() adds the job's LoRA; the batch's skip check
-    does not)."""
+    """The source as resolved from the model alone (job.resolve_source adds the job's LoRA, which has its own
+    entry)."""
     return source if source.lora is None else replace(source, lora=None)
 
 
