@@ -221,7 +221,8 @@ class Family(ABC):
         return None
 
     # The text cache (avatar_cli/prompts/) stores the prompt's conditioning as flat named tensors (safetensors,
-    # never a pickle). A family that does not say how is not cached: its prompt is encoded for every job.
+    # never a pickle), under the key its FamilySpec's prompt_identity gives (families/source.py). A family that
+    # does not say how is not cached: its prompt is encoded for every job.
     def prompt_tensors(self, out: Any) -> dict[str, torch.Tensor] | None:
         """`prompt`'s output -> named tensors that `prompt_from_tensors` turns back into it; None: not cached."""
         return None
