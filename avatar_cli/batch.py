@@ -84,8 +84,8 @@ def run_batch(jobs: list[Path], overrides: list[str], output: str | None, force:
     report_batch: on an interrupt, emit the batch summary before the interrupt goes on up (the CLI emits it
     otherwise, for a batch; a single job gives no summary).
     """
-    from avatar_cli import runner
-    from avatar_cli.job import check_output, resolve
+    from avatar_cli import runner, session
+    from avatar_cli.job import check_live, check_output, resolve
     from avatar_cli.pipeline.fingerprint import job_fingerprint
     from avatar_cli.runtime.distributed import launched_by_torchrun
     from avatar_cli.spec import load_job
@@ -102,6 +102,16 @@ def run_batch(jobs: list[Path], overrides: list[str], output: str | None, force:
         try:
             job = load_job(path, overrides, output)
             prepared = resolve(job, force=True)  # resolved once; an existing output is looked at next
+            if job.live:  # a live session (avatar_cli/session.py): its own loop, no resume, one job alone
+                if len(jobs) > 1:
+                    raise SpecError(f"{path}: a live session (audio or output a stream) runs alone, not in a batch")
+                check_live(job, force)
+                rendering = True
+                summary = session.run_session(prepared, reporter, models).as_dict()
+                reporter.live({"event": "done", **summary},
+                              f"done: {summary['frames']} frames ({summary['duration_s']:.2f} s) to {summary['output']}")
+                results.append(JobResult(str(path), "done", time.perf_counter() - t0, output=summary["output"]))
+                continue
             if job.output.exists() and not force:
                 tag = runner.output_tag(job_fingerprint(prepared.job, prepared.model))
                 if is_complete(job.output, tag):

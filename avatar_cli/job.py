@@ -33,7 +33,7 @@ from avatar_cli.pipeline.schedule import choose_transitions, num_frames
 from avatar_cli.pipeline.steps import check_family, choose_parallel
 from avatar_cli.prompts import cache as prompt_cache
 from avatar_cli.runtime.device import Runtime, resolve_runtime
-from avatar_cli.spec import Decode, Job, Parallel
+from avatar_cli.spec import Decode, Job, Parallel, is_stream_input
 from avatar_cli.stages import decode_worker
 
 # Bits per pixel that H.264 at a given crf rarely exceeds on this content; only sizes the disk check.
@@ -54,9 +54,9 @@ class ResolvedJob:
 
     job: Job  # its spec holds chunking.transitions resolved to a bool
     image: np.ndarray  # (H, W, 3) uint8, as decoded
-    audio: AudioInfo
+    audio: AudioInfo | None  # None: a live input, whose length is known when it ends
     model: ModelSource  # in the job's mode, with its LoRA, checked
-    frames: int
+    frames: int  # 0: a live input's (unknown until it ends)
     size: tuple[int, int]  # output (width, height)
     gen_size: tuple[int, int]  # (width, height) the family generates at (the reference is fitted to it)
     runtime: Runtime  # device type and dtype; setup_runtime adds the CUDA device index at render time
@@ -103,6 +103,20 @@ def check_output(output: Path, force: bool) -> None:
         raise InputError(f"output: cannot create a folder under {folder}: it is a file")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise InputError(f"output: folder {folder} is not writable")
+
+
+def check_live(job: Job, force: bool) -> None:
+    """A live session's outputs: one rank; an HLS playlist or a recording that exists is replaced only with --force
+    (a stream URL is opened, and refused if it does not answer, when the session starts)."""
+    if ranks() > 1:
+        raise InputError("a live session runs on one rank: start it without torchrun or --nproc")
+    if is_stream_input(str(job.audio)) and job.spec.runtime.parallel == Parallel.steps:
+        raise InputError("runtime.parallel: steps is not available in a live session")
+    out = str(job.output)
+    if out.lower().endswith(".m3u8"):
+        check_output(Path(out), force)
+    if job.record is not None:
+        check_output(job.record, force)
 
 
 def check_disk(r: ResolvedJob) -> None:
@@ -157,11 +171,15 @@ def resolve(job: Job, force: bool = False, world_size: int | None = None) -> Res
     force: an existing output is allowed (it will be replaced). world_size: the rank count (default: this
     process's)."""
     image = load_image(job.reference, "reference")
-    audio = probe_audio(job.audio, "audio")
     fps = job.spec.video.fps
-    frames = num_frames(audio.samples, audio.sample_rate, fps)
-    if frames == 0:
-        raise InputError(f"audio: {job.audio}: {audio.duration_s * 1000:.1f} ms is shorter than one frame at {fps:g} fps")
+    if is_stream_input(str(job.audio)):  # a live input: its length is known when it ends (avatar_cli/session.py)
+        audio, frames = None, 0
+    else:
+        audio = probe_audio(job.audio, "audio")
+        frames = num_frames(audio.samples, audio.sample_rate, fps)
+        if frames == 0:
+            raise InputError(f"audio: {job.audio}: {audio.duration_s * 1000:.1f} ms is shorter than one frame at "
+                             f"{fps:g} fps")
     model = resolve_source(job)
     family = model.family
     sp = job.spec.sampling
@@ -178,7 +196,10 @@ def resolve(job: Job, force: bool = False, world_size: int | None = None) -> Res
             check_family(family)
         except ValueError as e:
             raise InputError(f"{job.path}: {e}") from None
-    check_output(job.output, force)
+    if job.live:
+        check_live(job, force)
+    else:
+        check_output(job.output, force)
     v = job.spec.video
     requested = (v.width, v.height) if v.width else None
     try:
@@ -196,6 +217,8 @@ def resolve(job: Job, force: bool = False, world_size: int | None = None) -> Res
     decode, decode_why = decode_worker.choose(job.spec.runtime.decode.value, family, runtime)
     if parallel == Split.steps and decode == "worker":  # rank 0 already decodes while the step ranks denoise
         decode, decode_why = "inline", "the timestep pipeline's rank 0 is its decode process"
+    if job.live and decode == "worker":
+        decode, decode_why = "inline", "a live session decodes in its own process"
     return ResolvedJob(job, image, audio, model, frames, requested or gen_size, gen_size, runtime, world, parallel,
                        parallel_why, Decode(decode), decode_why, transitions_why)
 

@@ -35,6 +35,8 @@ class Reporter(Protocol):
     def done(self, summary: dict[str, Any]) -> None: ...
     def error(self, code: int, message: str) -> None: ...
     def info(self, message: str) -> None: ...
+    def live(self, event: dict[str, Any], text: str | None) -> None: ...  # a live session's event, and its line
+    def off_stdout(self) -> None: ...  # stdout carries a stream (-o -): events and progress go to stderr
     def skipped(self, job: str, output: str, reason: str) -> None: ...
     def batch(self, results: list) -> None: ...
 
@@ -69,6 +71,14 @@ class JsonReporter:
 
     def info(self, message: str) -> None:
         print(message, file=sys.stderr)
+
+    def off_stdout(self) -> None:
+        self.out = sys.stderr
+
+    def live(self, event: dict[str, Any], text: str | None) -> None:
+        self.emit(event)
+        if text is not None and event["event"] != "ready":  # ready is the event itself; the rest are also said
+            self.info(text)
 
     def skipped(self, job: str, output: str, reason: str) -> None:
         self.emit({"event": "skipped", "job": job, "output": output, "reason": reason})
@@ -133,6 +143,19 @@ class RichReporter:
     def info(self, message: str) -> None:
         Console(stderr=True).print(escape(message), highlight=False, soft_wrap=True)  # paths may hold [..]
 
+    def off_stdout(self) -> None:
+        self.console = Console(stderr=True)
+
+    def live(self, event: dict[str, Any], text: str | None) -> None:
+        if event["event"] == "ready":
+            self.fps = event["fps"]
+        if event["event"] == "chunk":  # a session has no length to show progress against: one line per chunk
+            latency = event.get("latency_s")
+            text = (f"chunk {event['index']}: {event['published'] / self.fps:.2f} s published"
+                    + (f", latency {latency:.2f} s" if latency is not None else ""))
+        if text is not None:
+            self.info(text)
+
     def skipped(self, job: str, output: str, reason: str) -> None:
         self.info(f"skip: {output} is {reason}")
 
@@ -165,6 +188,12 @@ class QuietReporter:
         pass
 
     def info(self, message: str) -> None:
+        pass
+
+    def live(self, event: dict[str, Any], text: str | None) -> None:
+        pass
+
+    def off_stdout(self) -> None:
         pass
 
     def skipped(self, job: str, output: str, reason: str) -> None:

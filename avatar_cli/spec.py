@@ -139,6 +139,51 @@ class RuntimeSpec:
 
 
 @dataclass
+class RawAudioSpec:
+    """Headerless PCM on a live input (`audio: -`, a FIFO, a URL): FFmpeg cannot tell its format, so the job does."""
+
+    format: Optional[str] = None  # s16le | s16be | s32le | f32le | f64le | u8; None: the input has a header
+    rate: int = 16000
+    channels: int = 1
+
+
+@dataclass
+class LiveSpec:
+    """A live session: audio that keeps arriving (`audio: -`, a FIFO, a URL) and/or a live output (`output: -`,
+    rtmp://, udp://, tcp://, a .m3u8 path). avatar_cli/session.py."""
+
+    stall_s: float = 1.0  # a chunk whose audio has not arrived after this long renders on silence (inserted)
+    first_audio_s: float = 30.0  # a live input that sends nothing for this long fails the session (exit 1)
+    # Frames leave at the stream's pace (as `ffmpeg -re`): auto = for a live output; a file output stays as fast as
+    # the machine allows.
+    realtime: Union[bool, str] = "auto"
+    max_latency_s: float = 5.0  # warn when a chunk's frames leave later than this after its last audio arrived
+    hls_keep_segments: bool = False  # HLS: keep every segment (and list it); else a rolling window of the newest
+    record: Optional[str] = None  # also write the session to this MP4 (fragmented: playable even if killed)
+    raw_audio: RawAudioSpec = field(default_factory=RawAudioSpec)
+
+
+LIVE_SCHEMES = ("rtmp://", "rtmps://", "udp://", "tcp://")
+
+
+def is_live_output(output: str) -> bool:
+    """Whether `output` names a live stream (media/live.py opens it) rather than an MP4 file."""
+    return output == "-" or output.lower().startswith(LIVE_SCHEMES) or output.lower().endswith(".m3u8")
+
+
+def is_stream_input(audio: str) -> bool:
+    """Whether `audio` is read as it arrives: stdin, a named pipe or a URL (media/live_audio.py)."""
+    if audio == "-" or "://" in audio:
+        return True
+    import stat  # noqa: PLC0415 (a stat call only where the audio is a local path)
+
+    try:
+        return stat.S_ISFIFO(Path(audio).expanduser().stat().st_mode)
+    except OSError:
+        return False
+
+
+@dataclass
 class JobSpec:
     reference: str = MISSING
     audio: str = MISSING
@@ -157,6 +202,7 @@ class JobSpec:
     sampling: SamplingSpec = field(default_factory=SamplingSpec)
     chunking: ChunkingSpec = field(default_factory=ChunkingSpec)
     runtime: RuntimeSpec = field(default_factory=RuntimeSpec)
+    live: LiveSpec = field(default_factory=LiveSpec)
 
 
 @dataclass(frozen=True)
@@ -166,13 +212,19 @@ class Job:
     spec: JobSpec
     path: Path  # the job file
     reference: Path
-    audio: Path
-    output: Path
+    audio: Path | str  # a str for stdin ("-") and URLs, read as they arrive (is_stream_input)
+    output: Path | str  # a str for stdout ("-") and URLs (is_live_output)
     model: str  # a shipped name, or an absolute directory
     lora: Path | None = None  # the LoRA file, absolute
+    record: Path | None = None  # live.record, absolute
     # The model as resolved for its family's defaults (a families.registry.ModelSource in the job's mode; None
     # when it did not resolve): job.resolve_source goes on from it instead of resolving the model again.
     source: Any = field(default=None, compare=False, repr=False)
+
+    @property
+    def live(self) -> bool:
+        """A live session: its audio arrives as it goes, or its output is a stream (avatar_cli/session.py)."""
+        return is_stream_input(str(self.audio)) or is_live_output(str(self.output))
 
     @property
     def partial_output(self) -> Path:
@@ -227,6 +279,10 @@ def load_job(job_path: str | Path, overrides: list[str] | None = None, output: s
         raise SpecError(f"job: {path}: not valid YAML ({str(e).splitlines()[0]})") from None
     if not OmegaConf.is_dict(job_cfg):
         raise SpecError(f"job: {path}: expected a mapping of keys at the top level")
+    raw = OmegaConf.to_container(job_cfg, resolve=False)
+    for key in ("audio", "output"):  # `audio: -` unquoted is YAML's list of one null: it means stdin (stdout)
+        if raw.get(key) == [None]:
+            job_cfg[key] = "-"
 
     # Layers, lowest first, over the schema's defaults. A model family's own defaults (wan-s2v: 16 fps, 40 steps,
     # ...) go below the job file, so whatever the user wrote still wins.
@@ -235,9 +291,10 @@ def load_job(job_path: str | Path, overrides: list[str] | None = None, output: s
     for item in overrides or []:
         if "=" not in item:
             raise SpecError(f"override '{item}': expected key=value")
-        key = item.split("=", 1)[0]
+        key, value = item.split("=", 1)
         try:
-            layer = OmegaConf.from_dotlist([item])
+            # A bare "-" (stdin, stdout) would be read as a YAML list: it is the string "-".
+            layer = OmegaConf.from_dotlist([item if value != "-" else f"{key}='-'"])
         except OmegaConfBaseException as e:
             raise SpecError(f"override '{item}': {str(e).splitlines()[0]}") from None
         layers.append((layer, f"override '{item}'"))
@@ -273,13 +330,17 @@ def load_job(job_path: str | Path, overrides: list[str] | None = None, output: s
         base = Path.cwd() if key in cli_keys else path.resolve().parent
         return (base / Path(value).expanduser()).resolve()
 
+    def resolve_stream(key: str, value: str) -> Path | str:  # stdin/stdout and URLs stay as written
+        return value if value == "-" or "://" in value else resolve(key, value)
+
     validate(spec)
     model = spec.model
     if spec.model not in _shipped_names():
         model = str(resolve("model", spec.model))
     return Job(spec=spec, path=path.resolve(), reference=resolve("reference", spec.reference),
-               audio=resolve("audio", spec.audio), output=resolve("output", spec.output), model=model,
-               lora=resolve("lora", spec.lora) if spec.lora is not None else None, source=source)
+               audio=resolve_stream("audio", spec.audio), output=resolve_stream("output", spec.output), model=model,
+               lora=resolve("lora", spec.lora) if spec.lora is not None else None, source=source,
+               record=resolve("live.record", spec.live.record) if spec.live.record is not None else None)
 
 
 def _model_source(model: str, base: Path, mode: str):
@@ -324,7 +385,17 @@ def validate(s: JobSpec) -> None:
         (s.lora is None or s.lora.strip() != "", "lora must be a LoRA file's path, or null for none"),
         (s.lora_rank > 0, "lora_rank must be positive"),
         (s.lora_scale is None or math.isfinite(s.lora_scale), "lora_scale must be a finite number"),
-        (Path(s.output).suffix.lower() == ".mp4", "output must end in .mp4"),
+        (Path(s.output).suffix.lower() == ".mp4" or is_live_output(s.output),
+         "output must end in .mp4, or be a live output: -, rtmp://, rtmps://, udp://, tcp:// or a .m3u8 path"),
+        (s.live.record is None or Path(s.live.record).suffix.lower() == ".mp4", "live.record must end in .mp4"),
+        (s.live.stall_s > 0, "live.stall_s must be positive"),
+        (s.live.first_audio_s > 0, "live.first_audio_s must be positive"),
+        (s.live.max_latency_s > 0, "live.max_latency_s must be positive"),
+        (s.live.realtime in (True, False, "auto"), "live.realtime must be true, false or auto"),
+        (s.live.raw_audio.format in (None, "s16le", "s16be", "s32le", "f32le", "f64le", "u8"),
+         "live.raw_audio.format must be one of s16le, s16be, s32le, f32le, f64le, u8 (or null)"),
+        (s.live.raw_audio.rate > 0 and 1 <= s.live.raw_audio.channels <= 8,
+         "live.raw_audio needs a positive rate and 1 to 8 channels"),
     ]
     for ok, message in rules:
         if not ok:

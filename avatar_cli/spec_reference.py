@@ -39,13 +39,15 @@ SECTIONS = {
     "chunking": "How the timeline is cut into chunks (docs/design.md).",
     "runtime": "Where and how the render runs (docs/multi-gpu.md for the several-GPU keys).",
     "runtime.text_service": "A shared text encoder (`avatar serve text`, docs/text-service.md).",
+    "live": "Live sessions: audio that keeps arriving, and/or a live output (docs/live.md).",
+    "live.raw_audio": "Headerless PCM on a live input: FFmpeg cannot tell its format, so the job does.",
 }
 
 # One line per key, beside it where it fits, else above it. Details belong in docs/, which these point to.
 COMMENTS = {
     "reference": "the reference picture: png, jpg or webp, any size (relative paths: to the job file's folder)",
-    "audio": "the speech: anything PyAV decodes (wav, mp3, flac, ogg/opus, m4a...); its length sets the video's",
-    "output": "the MP4 to write (must end in .mp4); `-o/--output` on the command line overrides it",
+    "audio": "the speech: anything PyAV decodes; its length sets the video's. Live: - (stdin), a FIFO or a URL",
+    "output": "the MP4 to write; live: - (MPEG-TS on stdout), rtmp://, udp://, tcp:// or a .m3u8 path (HLS)",
     "prompt": "words steering the expression (\"smiling, lively\"); cut at the text encoder's length, with a warning",
     "seed": "noise is drawn per chunk from this seed and the chunk index, never from the rank count",
     "model": "a shipped model's name (`avatar models`), or a model directory (relative to the job file's folder)",
@@ -82,6 +84,15 @@ COMMENTS = {
     "runtime.text_service.fallback": "service down or answering garbage: encode here with a note (false: exit 1)",
     "runtime.text_service.timeout_s": "seconds per request",
     "runtime.text_service.retries": "further attempts after a connection error, a timeout or a 5xx, with backoff",
+    "live.stall_s": "a chunk whose audio has not arrived after this long renders on inserted silence",
+    "live.first_audio_s": "a live input that sends nothing for this long fails the session (exit 1)",
+    "live.realtime": "frames leave at the stream's pace: true | false | auto (auto: for a live output)",
+    "live.max_latency_s": "warn when a chunk's frames leave later than this after its last audio arrived",
+    "live.hls_keep_segments": "HLS: keep and list every segment; false: a rolling window of the newest",
+    "live.record": "also write the session to this MP4 (fragmented: playable even if the session is killed)",
+    "live.raw_audio.format": "s16le | s16be | s32le | f32le | f64le | u8; null: the input has a header",
+    "live.raw_audio.rate": "its sample rate (Hz)",
+    "live.raw_audio.channels": "its channel count",
 }
 
 WIDTH = 118  # the repository's line length

@@ -10,7 +10,7 @@ from avatar_cli.families.mini.schedule import plan as mini_plan
 from avatar_cli.pipeline.live import Stall, growing_plan
 from avatar_cli.pipeline.schedule import num_frames
 
-RATE, FPS = 16000, 25
+RATE, FPS = 16000, 25.0  # a float, as the job spec gives it
 
 
 class FakeAudio:

@@ -160,6 +160,9 @@ class Family(ABC):
     # Raised when a release of avatar changes what this family computes from the same inputs and weights: a resume
     # point written by another revision is refused (its frames and state would not continue the new ones).
     revision: ClassVar[int] = 0
+    # Its audio features read only what has arrived, so it can render audio that is still arriving (a live
+    # session); False where they need the whole audio first (statistics over all of it).
+    live_audio: ClassVar[bool] = True
 
     def is_decode_state(self, name: str) -> bool:
         """Whether the rolling-state tensor `name` is the decode step's own (its causal cache): `decode` reads and
@@ -240,6 +243,10 @@ class Family(ABC):
     @abstractmethod
     def release_audio(self, models: Models, audio: AudioSource, frame: int, fps: float) -> None:
         """No later chunk reads audio for frames before `frame`: let the reader drop it."""
+
+    def audio_lookahead_s(self, models: Models) -> float:
+        """How far past a frame's start its audio features read (a live session waits for that much more)."""
+        return 0.0
 
     @abstractmethod
     def denoise(self, models: Models, inputs: Any, ref: Any, sampling: Sampling, state: RollingState) -> torch.Tensor:

@@ -124,6 +124,15 @@ class LiveWriter(Mp4Writer):
             return InputError(f"output: {self.target.url}: cannot open the {self.target.kind} output ({reason(exc)})")
         return super()._start_failed(exc, codec)
 
+    def abort(self):
+        """Stop: the frames already handed over still go out, unpaced, so the stream ends where a recording of it
+        ends; what cannot be sent any more (the server went away) is dropped."""
+        self.realtime = False
+        try:
+            return self.close()
+        except Exception:  # the output failed: the first error was reported already
+            return super().abort()
+
     def _encode_frame(self, rgb) -> None:
         if self.realtime:
             now = time.monotonic()

@@ -22,6 +22,8 @@ from __future__ import annotations
 import os
 import struct
 import threading
+import time
+from collections import deque
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -74,6 +76,7 @@ class StreamAudio:
         self._end = 0  # timeline length: samples arrived plus silence inserted
         self._released = 0
         self._readers: dict[str, int] = {"render": 0}  # reader -> samples it released (see release)
+        self._arrivals: deque[tuple[int, float]] = deque()  # (timeline end, monotonic time) per piece appended
         self._max = int(max_buffer_s * self.rate)
         self._ended = False
         self._error: BaseException | None = None
@@ -98,10 +101,9 @@ class StreamAudio:
                 f = (stdin if stdin is not None else os.fdopen(os.dup(0), "rb", buffering=0)) if audio == "-" \
                     else open(audio, "rb", buffering=0)
                 reader = _Sniffed(f)
-                wav = reader.wav_pcm() if raw is None else None
-                if wav is not None:
-                    return av.open(reader, format=wav.sample_format,
-                                   options={"sample_rate": str(wav.rate), "ch_layout": _layout(wav.channels)})
+                pcm = raw if raw is not None else reader.wav_pcm()
+                if pcm is not None:  # PCM is decoded here, sample by sample as it arrives
+                    return _PcmFrames(reader, pcm)
                 return av.open(reader, format=fmt, options=options)
             return av.open(audio, format=fmt, options=options, timeout=(timeout_s, timeout_s))
 
@@ -153,9 +155,9 @@ class StreamAudio:
 
     def read(self, start: int, end: int) -> np.ndarray:
         """float32 (end - start,) timeline samples [start, end): zeros where nothing has arrived (or past the end)."""
-        out = np.zeros(max(0, end - start), np.float32)
+        out = np.zeros(max(0, end - start), np.float32)  # zeros before 0 too, as a file's reader gives
         with self._cond:
-            if start < self._base:
+            if max(start, 0) < min(end, self._base):
                 raise IndexError(f"audio: samples before {self._base} were released (asked for {start})")
             pos = self._base
             for c in self._chunks:
@@ -177,14 +179,12 @@ class StreamAudio:
                 self._base += self._chunks.pop(0).size
             self._cond.notify_all()
 
-    def feed(self, rate: int | None = None) -> TimelineFeed:
+    def feed(self, reader: str = "output") -> TimelineFeed:
         """The timeline as a writer's audio track (an AudioFeed): the input with the inserted silences, read by
-        a reader of its own."""
-        if rate is not None and rate != self.rate:
-            raise ValueError(f"the timeline is at {self.rate} Hz, not {rate}")
+        a reader of its own name (one per writer)."""
         with self._cond:
-            self._readers["output"] = self._base
-        return TimelineFeed(self)
+            self._readers[reader] = self._base
+        return TimelineFeed(self, reader)
 
     def close(self) -> None:
         self._stop.set()
@@ -197,7 +197,18 @@ class StreamAudio:
         if x.size:
             self._chunks.append(x)
             self._end += x.size
+            self._arrivals.append((self._end, time.monotonic()))
+            while len(self._arrivals) > 1 and self._arrivals[1][0] <= self._released:
+                self._arrivals.popleft()  # what every reader released needs no arrival time
             self._cond.notify_all()
+
+    def arrival(self, sample: int) -> float | None:
+        """time.monotonic() when timeline sample `sample` arrived (or was inserted as silence); None: not yet."""
+        with self._cond:
+            for end, t in self._arrivals:
+                if sample < end:
+                    return t
+            return None
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
@@ -211,13 +222,14 @@ class StreamAudio:
         try:
             try:
                 container = self._opener()
-                stream = container.streams.audio[0]
+                frames = container.frames() if isinstance(container, _PcmFrames) \
+                    else container.decode(container.streams.audio[0])
             except (av.error.FFmpegError, OSError, ValueError, IndexError) as exc:
                 what = "no audio stream" if isinstance(exc, IndexError) else f"not audio FFmpeg can read ({reason(exc)})"
                 raise InputError(f"audio: {self.name}: {what}") from None
             resampler = av.AudioResampler(format="flt", layout="mono", rate=self.rate)
             try:
-                for frame in container.decode(stream):
+                for frame in frames:
                     self._take(resampler.resample(frame))
                     if self._stop.is_set():
                         return
@@ -253,17 +265,57 @@ class TimelineFeed:
 
     channels = 1
 
-    def __init__(self, audio: StreamAudio):
-        self.audio, self.rate, self.pos = audio, audio.rate, 0
+    def __init__(self, audio: StreamAudio, reader: str = "output"):
+        self.audio, self.reader, self.rate, self.pos = audio, reader, audio.rate, 0
 
     def take(self, n: int) -> np.ndarray:
         x = self.audio.read(self.pos, self.pos + n)  # (n,)
         self.pos += n
-        self.audio.release(self.pos, reader="output")
+        self.audio.release(self.pos, reader=self.reader)
         return x[None]  # (1, n)
 
     def close(self) -> None:
-        self.audio.release(2**62, reader="output")
+        self.audio.release(2**62, reader=self.reader)
+
+
+class _PcmFrames:
+    """Headerless PCM (or a WAV's data) read from a pipe as it arrives: every whole sample read so far becomes an
+    AudioFrame at once. FFmpeg's raw demuxers hand over 1024 samples at a time, holding back up to 64 ms of 16-kHz
+    speech that has arrived; here nothing waits but a partial sample."""
+
+    DTYPES = {"s16le": ("<i2", 2**15), "s16be": (">i2", 2**15), "s32le": ("<i4", 2**31), "f32le": ("<f4", 1),
+              "f64le": ("<f8", 1), "u8": ("u1", 128)}
+    READ = 1 << 13  # bytes per read; a pipe returns what it holds, up to this
+
+    def __init__(self, reader: _Sniffed, pcm: RawPCM):
+        self.reader, self.pcm = reader, pcm
+
+    def close(self) -> None:
+        pass
+
+    def frames(self):
+        dtype, scale = self.DTYPES[self.pcm.sample_format]
+        channels = self.pcm.channels
+        block = channels * np.dtype(dtype).itemsize
+        pending, pts = b"", 0
+        while True:
+            data = self.reader.read(self.READ)
+            if not data:
+                return
+            data = pending + data
+            n = len(data) // block * block
+            pending = data[n:]
+            if not n:
+                continue
+            x = np.frombuffer(data[:n], dtype).reshape(-1, channels).T.astype(np.float32)  # (C, t)
+            if self.pcm.sample_format == "u8":
+                x -= 128
+            if scale != 1:
+                x /= scale  # FFmpeg's integer -> float conversion: exact powers of two
+            frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(x), format="fltp", layout=_layout(channels))
+            frame.sample_rate, frame.pts = self.pcm.rate, pts
+            pts += x.shape[1]
+            yield frame
 
 
 class _Sniffed:

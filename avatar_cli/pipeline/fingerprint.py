@@ -28,6 +28,7 @@ def spec_digest(job: Job) -> str:
     # Where prompt encodings come from, how ranks split the work and which process decodes change no frame.
     for key in ("text_cache", "text_service", "parallel", "decode"):
         spec["runtime"].pop(key)
+    spec.pop("live")  # a live session's settings: a render that can resume is not one
     if job.lora is None:  # rank and scale mean nothing without a LoRA: such a job digests as before these keys
         for key in LORA_KEYS:
             spec.pop(key)

@@ -86,7 +86,7 @@ def growing_plan(plan: Callable[[int], list[Chunk]], audio: LiveAudio, fps: floa
             return
         known = int(audio.arrived * fps // rate)  # whole frames of audio so far
         # A chunk is settled once a plan of this audio and of a much longer one agree on it.
-        longer = plan(known + 4 * max(1, max((c.length for c in done[-2:]), default=fps)) + int(4 * fps))
+        longer = plan(known + 4 * max((c.length for c in done[-2:]), default=1) + int(4 * fps))
         settled = _common_prefix(plan(known), longer) if known > 0 else []
         nxt = settled[len(done)] if len(settled) > len(done) else longer[len(done)]
         need = sample_at(nxt.end) + lookahead

@@ -5,7 +5,7 @@ which decodes them, here or in a worker process, into a Sink (media/sink.py); wh
 """
 
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from contextlib import ExitStack
 
 import torch
@@ -62,7 +62,8 @@ class Pipeline:
     @torch.no_grad()  # not inference_mode: FSDP2 (multi-GPU) breaks under it in torch 2.14
     def run(self, spec: JobSpec, image: torch.Tensor, audio: AudioSource, total_frames: int, out: Publisher,
             on_chunk: Callable[[ChunkDone], None] = lambda _: None,
-            on_stretch: Callable[[Stretch], None] = lambda _: None, resume: ResumeFrom | None = None) -> RenderStats:
+            on_stretch: Callable[[Stretch], None] = lambda _: None, resume: ResumeFrom | None = None,
+            chunks: Iterable[Chunk] | None = None) -> RenderStats:
         """image (3, H, W) in [-1, 1] at the family's native size.
 
         out: where final latents go. `publish_to(sink, size)` decodes them here into a Sink (sink None: a rank
@@ -70,28 +71,31 @@ class Pipeline:
         and skips the VAE decode); a DecodeWorker (runtime.decode=worker) decodes and writes each published stretch
         in its own process while this loop goes on with the next chunk.
 
-        With `resume`, the schedule continues at `resume.next_chunk` from the saved rolling state.
+        With `resume`, the schedule continues at `resume.next_chunk` from the saved rolling state. `chunks`: the
+        plan to run instead of the schedule of `total_frames` (a live session's plan, which grows as its audio
+        arrives: pipeline/live.py).
         """
         try:
-            return self._run(spec, image, audio, total_frames, out, on_chunk, on_stretch, resume)
+            return self._run(spec, image, audio, total_frames, out, on_chunk, on_stretch, resume, chunks)
         finally:
             self.placement.release()  # the next chunk's prefetched model, or a stage an error left open
 
     def _run(self, spec: JobSpec, image: torch.Tensor, audio: AudioSource, total_frames: int, out: Publisher,
              on_chunk: Callable[[ChunkDone], None], on_stretch: Callable[[Stretch], None],
-             resume: ResumeFrom | None) -> RenderStats:
+             resume: ResumeFrom | None, chunks: Iterable[Chunk] | None) -> RenderStats:
         t0 = time.perf_counter()
         timer = StageTimer(self.runtime, flops=self.count_flops)
         fps, s = spec.video.fps, spec.sampling
         sampling = Sampling(s.steps, s.guidance, s.shift)
-        chunks = self.schedule(spec, total_frames)
+        if chunks is None:
+            chunks = self.schedule(spec, total_frames)
         if self.steps_dist is not None:
             stages = StepStages(self.reference, self.prompt, self.context, self.a2v, self.sr)
             return run_steps(stages, self.placement, self.steps_dist, spec, image, audio, chunks, out, on_chunk,
                              on_stretch, resume, timer, t0)
         first = resume.next_chunk if resume else 0
         state = resume.state if resume else RollingState()
-        if first < len(chunks):
+        if resume and first < len(chunks):
             self.context.release_before(audio, chunks[first].start - 1, fps)
 
         # Each stage brings its components onto the device and drops them after; `then` starts copying the next
@@ -104,8 +108,9 @@ class Pipeline:
         with timer(Step.prompt), stage(prompt_needs, then=self.context.needs):
             text = self.prompt.run(spec.prompt)
 
-        for i in range(first, len(chunks)):
-            chunk = chunks[i]
+        for i, chunk in enumerate(chunks):
+            if i < first:
+                continue  # resumed after it
             # 2. Context: audio features for the chunk's frames, noise, and the given frames.
             with timer(Step.context), stage(self.context.needs, then=self.a2v.needs):
                 inputs = self.context.run(chunk, audio, fps, text, state, spec.seed)

@@ -106,6 +106,10 @@ class MiniFamily(Family):
         mel = log_mel_windows(samples[idx], p)  # (L, n_mels, mel_frames)
         return enc(mel.to(device, dtype))[None]  # (1, L, audio_dim)
 
+    def audio_lookahead_s(self, models: Models) -> float:
+        p = models["audio"].params
+        return p.window_samples / 2 / p.sample_rate  # the window is centred on the frame's mid time
+
     def release_audio(self, models: Models, audio: AudioSource, frame: int, fps: float) -> None:
         p = models["audio"].params
         audio.release(int(frame_window_starts(max(0, frame), 1, fps, p)[0]))

@@ -88,6 +88,7 @@ class WanS2VFamily(Family):
     # 1: the last audio layer is wav2vec2's post-layer-norm output, as the official code reads it;
     # 2: the reference is resized as the official code resizes it (PIL, then 8 bits; fit_reference)
     revision = 2
+    live_audio = False  # wav2vec2's input is normalised with the whole audio's mean and std (the official code's)
 
     def __init__(self, config: WanS2VConfig):
         self.config = config

@@ -1,0 +1,242 @@
+"""Live sessions (avatar_cli/session.py) through `avatar render`: audio on stdin, streams out, stalls, signals.
+
+The sessions that read stdin or write stdout run in a fresh interpreter (they are about pipes); the others in-process.
+A session's frames are those of a render of the same audio: the plan grows into the file's plan, and the features
+read the same samples (16-kHz mono input, so nothing is resampled)."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import av
+import numpy as np
+import pytest
+
+from tests.conftest import avatar
+
+FPS = 25.0
+
+
+def start_avatar(*args: str, **kwargs) -> subprocess.Popen:
+    """`python -m avatar_cli ARGS` in a fresh interpreter, with binary pipes (the stream is bytes)."""
+    kwargs.pop("text", None)
+    return subprocess.Popen([sys.executable, "-m", "avatar_cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, **kwargs)
+
+
+def events(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+def decode(data_or_path, fmt: str | None = "mpegts") -> tuple[int, np.ndarray, int]:
+    """(video frames, mono audio samples, audio rate) of a stream or file."""
+    import io
+
+    src = io.BytesIO(data_or_path) if isinstance(data_or_path, bytes) else str(data_or_path)
+    with av.open(src, format=fmt if isinstance(data_or_path, bytes) else None) as c:
+        video = sum(1 for _ in c.decode(video=0))
+    if isinstance(src, io.BytesIO):
+        src.seek(0)
+    with av.open(src, format=fmt if isinstance(data_or_path, bytes) else None) as c:
+        frames = [f for f in c.decode(audio=0)]
+    return video, np.concatenate([f.to_ndarray().reshape(-1) for f in frames]), frames[0].sample_rate
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory, tiny_model: Path):
+    """The job rendered to an MP4 as usual: its done event (the reference frames and digest)."""
+    from tests.conftest import write_job
+
+    folder = write_job(tmp_path_factory.mktemp("file_render"), tiny_model)
+    r = avatar("render", str(folder / "job.yaml"), "--json")
+    assert r.returncode == 0, r.stderr
+    return folder, [e for e in events(r.stdout) if e["event"] == "done"][0]
+
+
+def session(folder: Path, stdin: bytes | None, *overrides: str, timeout: float = 120):
+    proc = start_avatar("render", str(folder / "job.yaml"), "audio=-", "-o", "-", "--json", *overrides,
+                        stdin=subprocess.PIPE, text=False)
+    out, err = proc.communicate(stdin, timeout=timeout)
+    return proc.returncode, out, err.decode()
+
+
+def wait_ready(proc: subprocess.Popen) -> str:
+    """stderr up to the session's ready event (a line of its own)."""
+    lines = []
+    for line in iter(proc.stderr.readline, b""):
+        lines.append(line.decode())
+        if line.startswith(b'{"event": "ready"'):
+            return "".join(lines)
+    raise AssertionError(f"no ready event: {''.join(lines)}")
+
+
+def test_wav_on_stdin_to_stdout_is_the_renders_frames(rendered):
+    folder, done = rendered
+    code, out, err = session(folder, (folder / "speech.wav").read_bytes())
+    assert code == 0, err
+    ev = events(err)  # stdout carries the stream alone; the events go to stderr
+    assert ev[0]["event"] == "ready"
+    last = ev[-1]
+    assert last["event"] == "done" and last["frames"] == done["frames"]
+    assert last["frames_digest"] == done["frames_digest"]  # the same frames, bit for bit
+    chunks = [e for e in ev if e["event"] == "chunk"]
+    publishing = [e for e, before in zip(chunks, [{"published": 0}, *chunks]) if e["published"] > before["published"]]
+    assert publishing and all(e["latency_s"] is not None and e["latency_s"] >= 0 for e in publishing)
+    assert last["first_frame_s"] > 0 and last["latency_p95_s"] >= last["latency_median_s"]
+    video, audio, rate = decode(out)
+    assert video == done["frames"]
+    assert abs(len(audio) / rate - video / FPS) <= 1024 / rate + 1e-6  # in step, to one AAC frame
+
+
+def test_raw_pcm_on_stdin(rendered):
+    folder, done = rendered
+    pcm = (folder / "speech.wav").read_bytes()[44:]  # the conftest's WAV: a 44-byte header, s16le mono 16 kHz
+    code, out, err = session(folder, pcm, "live.raw_audio.format=s16le", "live.raw_audio.rate=16000")
+    assert code == 0, err
+    last = events(err)[-1]
+    assert last["frames"] == done["frames"] and last["frames_digest"] == done["frames_digest"]
+    assert decode(out)[0] == done["frames"]
+
+
+def test_a_stall_inserts_silence_and_the_stream_goes_on(rendered, tmp_path: Path):
+    folder, _ = rendered
+    wav = (folder / "speech.wav").read_bytes()
+    header, pcm = wav[:44], wav[44:]
+    second = 16000 * 2
+    proc = start_avatar("render", str(folder / "job.yaml"), "audio=-", "-o", "-", "--json", "live.stall_s=0.4",
+                        f"live.record={tmp_path / 'rec.mp4'}", stdin=subprocess.PIPE, text=False)
+    unknown = bytearray(header)
+    unknown[4:8] = unknown[40:44] = b"\xff\xff\xff\xff"  # as a TTS engine writes a WAV of unknown length
+    head = wait_ready(proc)  # models loaded, the input being read
+    proc.stdin.write(bytes(unknown) + pcm[:second])  # 1 s
+    proc.stdin.flush()
+    time.sleep(3.0)  # the source stalls
+    proc.stdin.write(pcm[second:])
+    proc.stdin.close()
+    out = proc.stdout.read()
+    err = head + proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0, err
+    ev = events(err)
+    stalls = [e for e in ev if e["event"] == "stall"]
+    done = ev[-1]
+    assert stalls and done["stalls"] == len(stalls) and done["silence_s"] > 0
+    assert all(e["at_s"] >= 1.0 - 1e-3 for e in stalls)  # nothing is inserted before the audio that arrived
+    total_s = len(pcm) / second + done["silence_s"]  # the input with the silences inserted
+    assert done["frames"] == round(total_s * FPS)
+    video, audio, rate = decode(out)
+    assert video == done["frames"]
+    assert abs(len(audio) / rate - video / FPS) <= 1024 / rate + 1e-6  # the audio track stays in step
+    at = int(stalls[0]["at_s"] * rate)
+    gap = audio[at + 1024: at + int(stalls[0]["silence_s"] * rate) - 1024]
+    assert gap.size > 0 and np.abs(gap).max() < 0.01  # the inserted silence is in the track
+    assert np.abs(audio[:at - 1024]).max() > 0.1  # and the speech before it
+    rec_video, rec_audio, _ = decode(tmp_path / "rec.mp4", fmt=None)
+    assert rec_video == video  # the recording holds the same session
+
+
+def test_sigint_ends_the_session_cleanly(rendered, tmp_path: Path):
+    folder, _ = rendered
+    record = tmp_path / "rec.mp4"
+    proc = start_avatar("render", str(folder / "job.yaml"), "audio=-", "-o", "-", "--json",
+                        f"live.record={record}", stdin=subprocess.PIPE, text=False)
+    wav = (folder / "speech.wav").read_bytes()
+    proc.stdin.write(wav[:44 + 32000])  # 1 s, then nothing more: the session waits on
+    proc.stdin.flush()
+    out = bytearray()
+    deadline = time.monotonic() + 120
+    while not out and time.monotonic() < deadline:  # the first frames are out
+        os.set_blocking(proc.stdout.fileno(), False)
+        chunk = proc.stdout.read()
+        if chunk:
+            out += chunk
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    os.set_blocking(proc.stdout.fileno(), True)
+    out += proc.stdout.read()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 130, err
+    assert "interrupted" in err and "Traceback" not in err
+    video, _, _ = decode(bytes(out))
+    assert video > 0  # the stream was closed cleanly: it decodes
+    assert decode(record, fmt=None)[0] == video  # the recording is finished and holds the same frames
+
+
+def test_garbage_on_stdin_is_exit_2(rendered):
+    folder, _ = rendered
+    code, out, err = session(folder, os.urandom(1 << 16))
+    assert code == 2, err
+    assert "audio: stdin: not audio FFmpeg can read" in err and "Traceback" not in err
+
+
+def test_a_source_that_sends_nothing_is_exit_1(rendered):
+    folder, _ = rendered
+    proc = start_avatar("render", str(folder / "job.yaml"), "audio=-", "-o", "-", "live.first_audio_s=1",
+                        stdin=subprocess.PIPE, text=False)
+    try:
+        proc.wait(timeout=60)  # stdin held open, never written
+        err = proc.stderr.read()
+    finally:
+        proc.kill()
+        proc.stdin.close()
+    assert proc.returncode == 1, err
+    assert b"no audio arrived in 1 s" in err
+
+
+def test_a_file_into_hls_is_paced_and_ended(rendered, tmp_path: Path):
+    folder, done = rendered
+    playlist = tmp_path / "hls" / "live.m3u8"
+    r = avatar("render", str(folder / "job.yaml"), "-o", str(playlist), "--json", "live.hls_keep_segments=true")
+    assert r.returncode == 0, r.stderr
+    last = events(r.stdout)[-1]
+    assert last["event"] == "done" and last["frames_digest"] == done["frames_digest"]
+    assert last["wall_s"] >= done["frames"] / FPS  # paced at real time: a server gets a stream, not a burst
+    text = playlist.read_text()
+    assert text.rstrip().endswith("#EXT-X-ENDLIST")
+    assert decode(playlist, fmt=None)[0] == done["frames"]
+    again = avatar("render", str(folder / "job.yaml"), "-o", str(playlist))
+    assert again.returncode == 2 and "already exists" in again.stderr  # nothing is overwritten by accident
+
+
+LISTENER = textwrap.dedent("""
+    import sys, av
+    n = 0
+    with av.open(sys.argv[1], format="flv", options={"listen": "1", "timeout": "60"}) as c:
+        try:
+            for _ in c.decode(video=0):
+                n += 1
+        except OSError:
+            pass
+    print(n, flush=True)
+""")
+
+
+def test_rtmp_push_to_a_local_server(rendered):
+    folder, done = rendered
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"rtmp://127.0.0.1:{port}/live/key"
+    server = subprocess.Popen([sys.executable, "-c", LISTENER, url], stdout=subprocess.PIPE, text=True)
+    try:
+        time.sleep(1.0)  # listening
+        r = avatar("render", str(folder / "job.yaml"), "-o", url, "--json")
+        assert r.returncode == 0, r.stderr
+        received = int(server.communicate(timeout=60)[0].split()[-1])
+    finally:
+        server.kill()
+    assert done["frames"] - 3 <= received <= done["frames"]  # the listener loses a packet or two at the hang-up
+
+
+def test_an_unreachable_rtmp_server_is_exit_2(rendered):
+    folder, _ = rendered
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = avatar("render", str(folder / "job.yaml"), "-o", f"rtmp://127.0.0.1:{port}/live/key")
+    assert r.returncode == 2 and f"rtmp://127.0.0.1:{port}/live/key" in r.stderr
