@@ -126,9 +126,11 @@ def render(
                                                  "(0-based), of the sorted job list.", show_default=False)] = None,
     nproc: Annotated[int, typer.Option("--nproc", help="Run under torchrun with this many processes "
                                        "(one per GPU) on this host.")] = 1,
+    preview: Annotated[bool, typer.Option("--preview", help="Serve the HLS output (-o NAME.m3u8) and a player page "
+                                          "on loopback while it renders; prints the URL (live.preview).")] = False,
     json: JsonOpt = None, debug: DebugOpt = False,
 ) -> None:
-    """Render one or more jobs to MP4."""
+    """Render one or more jobs to MP4, or run a live session (audio=- or a stream URL, -o - or a stream)."""
     debug = debug or os.environ.get("AVATAR_DEBUG") == "1"
 
     def action(reporter):
@@ -137,7 +139,7 @@ def render(
 
         if nproc < 1:  # the launcher would quietly treat 0 or -1 as one process
             raise SpecError("--nproc must be at least 1")
-        overrides = [a for a in args if "=" in a and not Path(a).exists()]
+        overrides = [a for a in args if "=" in a and not Path(a).exists()] + (["live.preview=true"] if preview else [])
         job_args = [a for a in args if a not in overrides]
         if not job_args:
             raise SpecError("no job given: avatar render JOB.yaml [KEY=VALUE ...]")
@@ -264,7 +266,7 @@ def prompts_encode(
         from avatar_cli.errors import EXIT_BAD_INPUT, SpecError
         from avatar_cli.prompts.encode import fill
 
-        overrides = [a for a in args if "=" in a and not Path(a).exists()]
+        overrides = [a for a in args if "=" in a and not Path(a).exists()] + (["live.preview=true"] if preview else [])
         job_args = [a for a in args if a not in overrides]
         if not job_args:
             raise SpecError("no job given: avatar prompts encode JOB.yaml [KEY=VALUE ...]")

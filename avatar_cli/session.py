@@ -30,6 +30,7 @@ import os
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -38,6 +39,7 @@ from avatar_cli.job import ResolvedJob
 from avatar_cli.media.audio import AudioWindowReader
 from avatar_cli.media.live import LiveWriter, live_target
 from avatar_cli.media.live_audio import RawPCM, StreamAudio
+from avatar_cli.media.preview import Preview
 from avatar_cli.media.sink import Sink
 from avatar_cli.media.writer import Mp4Writer, resolve_codec
 from avatar_cli.pipeline.checkpoint import chain_digest
@@ -51,6 +53,7 @@ from avatar_cli.spec import is_stream_input
 
 __all__ = ["run_session", "SessionSummary"]
 
+PREVIEW_LINGER_S = 60.0  # after the session, the preview serves on this long for a watching page to play to the end
 SLOW_AFTER_CHUNKS = 2  # chunks measured before saying whether this machine keeps up with real time
 
 
@@ -141,7 +144,7 @@ def run_session(p: ResolvedJob, reporter: Reporter, models: ModelCache | None = 
         reporter.off_stdout()
         stdout_fd = os.dup(1)
         os.dup2(2, 1)
-    audio = reader = None
+    audio = reader = preview = None
     sinks: list[Sink] = []
     try:
         if streaming_in:
@@ -163,6 +166,11 @@ def run_session(p: ResolvedJob, reporter: Reporter, models: ModelCache | None = 
             sinks.append(LiveWriter(target, realtime=realtime, stdout=stream, audio_path=track("output"), **common))
         else:  # a live input into an MP4 file: written as a render writes it, renamed when the session ends
             sinks.append(Mp4Writer(job.partial_output, total_frames=2**62, audio_path=track("output"), **common))
+        if live.preview:
+            preview = Preview(Path(str(job.output)), on_first=lambda event, t: reporter.live(
+                {"event": "viewer", "playback": event, "t": round(t, 3)},
+                f"preview: a viewer's player is {event} at {t:.1f} s" if event != "time" else None))
+            reporter.live({"event": "preview", "url": preview.url}, f"preview: {preview.url}")
         if job.record is not None:
             job.record.parent.mkdir(parents=True, exist_ok=True)
             sinks.append(Mp4Writer(job.record, total_frames=2**62, audio_path=track("record"), **common))
@@ -241,6 +249,9 @@ def run_session(p: ResolvedJob, reporter: Reporter, models: ModelCache | None = 
         if target is None:
             os.replace(job.partial_output, job.output)
     finally:
+        if preview is not None:
+            preview.linger(PREVIEW_LINGER_S)
+            preview.close()
         if audio is not None:
             audio.close()
         if reader is not None:

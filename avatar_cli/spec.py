@@ -160,6 +160,7 @@ class LiveSpec:
     max_latency_s: float = 5.0  # warn when a chunk's frames leave later than this after its last audio arrived
     hls_keep_segments: bool = False  # HLS: keep every segment (and list it); else a rolling window of the newest
     record: Optional[str] = None  # also write the session to this MP4 (fragmented: playable even if killed)
+    preview: bool = False  # serve the HLS output and a player page on loopback (media/preview/), URL printed
     raw_audio: RawAudioSpec = field(default_factory=RawAudioSpec)
 
 
@@ -388,6 +389,8 @@ def validate(s: JobSpec) -> None:
         (Path(s.output).suffix.lower() == ".mp4" or is_live_output(s.output),
          "output must end in .mp4, or be a live output: -, rtmp://, rtmps://, udp://, tcp:// or a .m3u8 path"),
         (s.live.record is None or Path(s.live.record).suffix.lower() == ".mp4", "live.record must end in .mp4"),
+        (not s.live.preview or s.output.lower().endswith(".m3u8"),
+         "live.preview (--preview) serves an HLS output: give the output as a .m3u8 path, e.g. -o out/live.m3u8"),
         (s.live.stall_s > 0, "live.stall_s must be positive"),
         (s.live.first_audio_s > 0, "live.first_audio_s must be positive"),
         (s.live.max_latency_s > 0, "live.max_latency_s must be positive"),

@@ -90,6 +90,7 @@ COMMENTS = {
     "live.max_latency_s": "warn when a chunk's frames leave later than this after its last audio arrived",
     "live.hls_keep_segments": "HLS: keep and list every segment; false: a rolling window of the newest",
     "live.record": "also write the session to this MP4 (fragmented: playable even if the session is killed)",
+    "live.preview": "serve the HLS output and a player page on loopback, URL printed (`--preview`)",
     "live.raw_audio.format": "s16le | s16be | s32le | f32le | f64le | u8; null: the input has a header",
     "live.raw_audio.rate": "its sample rate (Hz)",
     "live.raw_audio.channels": "its channel count",

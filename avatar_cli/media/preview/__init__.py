@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import threading
+from collections.abc import Callable
 import time
 from http import HTTPStatus
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
@@ -45,6 +46,13 @@ class _Handler(SimpleHTTPRequestHandler):
             self.send_header("Cache-Control", "no-store")
             self.end_headers()
             self.wfile.write(body)
+            return
+        if path.endswith(".m3u8") and not (self.preview.playlist.parent / path.lstrip("/")).exists():
+            # Not written yet (the first segment is still being made): players retry a 503, not a 404.
+            self.send_response(HTTPStatus.SERVICE_UNAVAILABLE)
+            self.send_header("Retry-After", "1")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
             return
         super().do_GET()
 
@@ -81,8 +89,12 @@ class _Handler(SimpleHTTPRequestHandler):
 class Preview:
     """Serves `playlist`'s folder and the player page on host:port (port 0: any free one) until close()."""
 
-    def __init__(self, playlist: Path, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, playlist: Path, host: str = "127.0.0.1", port: int = 0,
+                 on_first: Callable[[str, float], None] = lambda event, t: None):
+        """on_first(event, player time): called once per kind of report (playing, time, ended), from the server's
+        thread, so a session can say that a viewer is watching."""
         self.playlist = Path(playlist)
+        self.on_first = on_first
         self.playback: dict[str, tuple[float, float]] = {}  # event -> (player time s, wall time of the report)
         handler = type("Handler", (_Handler,), {"preview": self})
         self._server = ThreadingHTTPServer((host, port), functools.partial(handler, directory=str(self.playlist.parent)))
@@ -96,7 +108,17 @@ class Preview:
         return f"http://{host}:{port}/"
 
     def _report(self, event: str, t: float) -> None:
+        first = event not in self.playback
         self.playback[event] = (t, time.time())
+        if first:
+            self.on_first(event, t)
+
+    def linger(self, timeout: float) -> None:
+        """After the stream ended: keep serving while a page that is playing it reaches its end (at most `timeout`
+        seconds; at once when no page ever played)."""
+        deadline = time.time() + timeout
+        while "time" in self.playback and "ended" not in self.playback and time.time() < deadline:
+            time.sleep(0.1)
 
     def close(self) -> None:
         self._server.shutdown()
