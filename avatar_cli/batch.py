@@ -84,6 +84,8 @@ def run_batch(jobs: list[Path], overrides: list[str], output: str | None, force:
     report_batch: on an interrupt, emit the batch summary before the interrupt goes on up (the CLI emits it
     otherwise, for a batch; a single job gives no summary).
     """
+    # Imported here, not at the top: they pull in torch and the models' code, which `avatar --help`, `validate`'s
+    # argument errors and job-list expansion never need.
     from avatar_cli import runner, session
     from avatar_cli.job import check_live, check_output, resolve
     from avatar_cli.pipeline.fingerprint import job_fingerprint

@@ -44,6 +44,7 @@ def check_rank_count(jobs: list, overrides: list[str], output: str | None, nproc
 
     Jobs that don't load are left to the workers, which report them as one process would.
     """
+    # Imported here: resolving jobs pulls in torch and the families, which the launcher's other paths never need.
     from avatar_cli.errors import AvatarError, InputError
     from avatar_cli.job import resolve_parallel, resolve_source
     from avatar_cli.spec import load_job

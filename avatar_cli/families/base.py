@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from avatar_cli.media.image import fit_image
 from avatar_cli.media.source import AudioSource  # noqa: F401  (the families read audio through it)
 
 
@@ -206,8 +207,6 @@ class Family(ABC):
         """The reference picture, uint8 (H, W, 3) as decoded, -> float32 (3, height, width) in [-1, 1], the size the
         family generates at. By default centre-cropped to the aspect and resized in float (media.image.fit_image); a
         family whose official preprocessing differs reproduces it here."""
-        from avatar_cli.media.image import fit_image
-
         return fit_image(image, width, height)
 
     @abstractmethod

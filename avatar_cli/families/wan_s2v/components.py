@@ -14,7 +14,7 @@ from torch import nn
 from transformers import Wav2Vec2Config, Wav2Vec2FeatureExtractor
 from transformers.utils import logging as hf_logging
 
-from avatar_cli.families.wan_s2v.audio import hidden_states
+from avatar_cli.families.wan_s2v.audio import hidden_states, load_wav2vec2
 from avatar_cli.families.wan_s2v.text import UMT5Params, build_text_encoder
 
 
@@ -50,8 +50,6 @@ class Wav2Vec2Audio(nn.Module):
     @classmethod
     def from_folder(cls, folder: Path) -> "Wav2Vec2Audio":
         """Config, extractor and weights from the release's folder, from disk only (safetensors preferred)."""
-        from avatar_cli.families.wan_s2v.audio import load_wav2vec2
-
         model, extractor = load_wav2vec2(folder)
         out = cls.__new__(cls)
         nn.Module.__init__(out)
