@@ -185,6 +185,7 @@ def run_session(p: ResolvedJob, reporter: Reporter, models: ModelCache | None = 
         image = family.fit_reference(p.image, *p.gen_size)  # (3, H, W) in [-1, 1]
 
         stalls: list[Stall] = []
+        waits: list[float] = []  # time spent waiting for audio: not the render's
         latencies: list[float] = []
         first_audio: list[float] = []
 
@@ -204,8 +205,7 @@ def run_session(p: ResolvedJob, reporter: Reporter, models: ModelCache | None = 
             first_audio.append(audio.arrival(0) or time.monotonic())
             chunks = growing_plan(lambda total: pipeline.schedule(spec, total), audio, fps,
                                   lookahead_s=family.audio_lookahead_s({n: m.model for n, m in modules.items()}),
-                                  stall_s=live.stall_s,
-                                  on_stall=on_stall)
+                                  stall_s=live.stall_s, on_stall=on_stall, on_wait=waits.append)
             source = audio
         else:
             first_audio.append(time.monotonic())
@@ -232,7 +232,8 @@ def run_session(p: ResolvedJob, reporter: Reporter, models: ModelCache | None = 
             if latency is not None and latency > live.max_latency_s:
                 reporter.live({"event": "warning", "latency_s": round(latency, 3)},
                               f"warning: latency {latency:.1f} s (over live.max_latency_s {live.max_latency_s:g} s)")
-            speed = end / fps / d.elapsed_s if d.elapsed_s > 0 else 0.0
+            busy = d.elapsed_s - sum(waits)  # the render's own time, waits for audio left out
+            speed = end / fps / busy if busy > 0 else float("inf")
             if not warned_slow and len(latencies) >= SLOW_AFTER_CHUNKS and speed < 1.0:
                 warned_slow = True
                 reporter.live({"event": "warning", "realtime_factor": round(speed, 3)},

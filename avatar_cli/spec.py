@@ -152,7 +152,7 @@ class LiveSpec:
     """A live session: audio that keeps arriving (`audio: -`, a FIFO, a URL) and/or a live output (`output: -`,
     rtmp://, udp://, tcp://, a .m3u8 path). avatar_cli/session.py."""
 
-    stall_s: float = 1.0  # a chunk whose audio has not arrived after this long renders on silence (inserted)
+    stall_s: float = 1.0  # a chunk whose audio is this much later than real-time audio would be renders on silence
     first_audio_s: float = 30.0  # a live input that sends nothing for this long fails the session (exit 1)
     # Frames leave at the stream's pace (as `ffmpeg -re`): auto = for a live output; a file output stays as fast as
     # the machine allows.

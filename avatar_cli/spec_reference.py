@@ -84,7 +84,7 @@ COMMENTS = {
     "runtime.text_service.fallback": "service down or answering garbage: encode here with a note (false: exit 1)",
     "runtime.text_service.timeout_s": "seconds per request",
     "runtime.text_service.retries": "further attempts after a connection error, a timeout or a 5xx, with backoff",
-    "live.stall_s": "a chunk whose audio has not arrived after this long renders on inserted silence",
+    "live.stall_s": "a chunk whose audio is this late (against real-time speech) renders on inserted silence",
     "live.first_audio_s": "a live input that sends nothing for this long fails the session (exit 1)",
     "live.realtime": "frames leave at the stream's pace: true | false | auto (auto: for a live output)",
     "live.max_latency_s": "warn when a chunk's frames leave later than this after its last audio arrived",

@@ -240,3 +240,30 @@ def test_an_unreachable_rtmp_server_is_exit_2(rendered):
         port = s.getsockname()[1]
     r = avatar("render", str(folder / "job.yaml"), "-o", f"rtmp://127.0.0.1:{port}/live/key")
     assert r.returncode == 2 and f"rtmp://127.0.0.1:{port}/live/key" in r.stderr
+
+
+def test_an_rtmp_server_that_goes_away_ends_the_session(job_dir: Path, tmp_path: Path):
+    """The server dies mid-session: exit 1 naming the URL, and the recording stays playable."""
+    from tests.conftest import write_wav
+
+    write_wav(job_dir / "speech.wav", 8.0)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"rtmp://127.0.0.1:{port}/live/key"
+    server = subprocess.Popen([sys.executable, "-c", LISTENER, url], stdout=subprocess.PIPE, text=True)
+    record = tmp_path / "rec.mp4"
+    try:
+        time.sleep(1.0)
+        proc = start_avatar("render", str(job_dir / "job.yaml"), "-o", url, "--json", f"live.record={record}")
+        for line in proc.stdout:  # the stream is paced: kill the server two chunks in
+            if line.startswith(b'{"event": "chunk"') and json.loads(line)["published"] >= 32:
+                server.kill()
+                break
+        code = proc.wait(timeout=120)
+        err = proc.stderr.read().decode()
+    finally:
+        server.kill()
+    assert code == 1, err
+    assert url in err and "Traceback" not in err
+    assert decode(record, fmt=None)[0] >= 32  # what was published is in the recording, which plays

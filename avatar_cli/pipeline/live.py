@@ -6,8 +6,8 @@ plan of the audio so far and of a longer one share it), and the chunk's audio, u
 features' lookahead, has arrived. When the input ends, the plan of the final length takes over from the chunks handed
 out so far (they must be its first chunks: a family's plan grows at its end only).
 
-A stalled source does not stall the session: when the next chunk's audio has not arrived `stall_s` after the render
-asked for it, silence is inserted up to the chunk's end (the source's `pad_to`), the chunk renders on it (the mouth
+A stalled source does not stall the session: when the next chunk's audio is `stall_s` later than audio arriving at
+the speaker's pace would be, silence is inserted up to the chunk's end (the source's `pad_to`), the chunk renders on it (the mouth
 at rest, the head going on), and audio that arrives later continues after that silence. Everything downstream reads
 the same timeline, so the output's audio track is the input with those silences inserted, in sync with the video.
 """
@@ -63,10 +63,12 @@ def _common_prefix(a: list[Chunk], b: list[Chunk]) -> list[Chunk]:
 
 
 def growing_plan(plan: Callable[[int], list[Chunk]], audio: LiveAudio, fps: float, *, lookahead_s: float = 0.0,
-                 stall_s: float = STALL_S, on_stall: Callable[[Stall], None] = lambda _: None) -> Iterator[Chunk]:
+                 stall_s: float = STALL_S, on_stall: Callable[[Stall], None] = lambda _: None,
+                 on_wait: Callable[[float], None] = lambda _: None) -> Iterator[Chunk]:
     """The chunks of `plan(total_frames)` for the audio as it arrives (module docstring), in order.
 
     lookahead_s: audio past a chunk's last frame its features read (a window centred on the frame's time).
+    on_wait(seconds): each wait for audio (what the render's own speed leaves out).
     """
     rate = audio.rate
     done: list[Chunk] = []
@@ -97,8 +99,13 @@ def growing_plan(plan: Callable[[int], list[Chunk]], audio: LiveAudio, fps: floa
                 continue
             # Its audio is here, but its shape depends on audio still to come (a seam's length, say): one frame more.
             need = audio.arrived + sample_at(1)
+        # Audio arriving at the speaker's pace takes (need - arrived) / rate to get there: it stalled only when it
+        # is later than that by stall_s.
         t0 = time.monotonic()
-        if not audio.wait_for(need, timeout=stall_s):
+        arrived = audio.arrived
+        ok = audio.wait_for(need, timeout=stall_s + max(0, need - arrived) / rate)
+        on_wait(time.monotonic() - t0)
+        if not ok:
             added = audio.pad_to(need)
             if added:
                 on_stall(Stall(at=need - added, samples=added, waited_s=time.monotonic() - t0))
