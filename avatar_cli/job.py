@@ -108,10 +108,8 @@ def check_output(output: Path, force: bool) -> None:
 def check_live(job: Job, force: bool) -> None:
     """A live session's outputs: one rank; an HLS playlist or a recording that exists is replaced only with --force
     (a stream URL is opened, and refused if it does not answer, when the session starts)."""
-    if ranks() > 1:
-        raise InputError("a live session runs on one rank: start it without torchrun or --nproc")
-    if is_stream_input(str(job.audio)) and job.spec.runtime.parallel == Parallel.steps:
-        raise InputError("runtime.parallel: steps is not available in a live session")
+    if job.spec.runtime.parallel == Parallel.steps:
+        raise InputError("runtime.parallel: steps is not available in a live session (sequence or auto is)")
     out = str(job.output)
     if out.lower().endswith(".m3u8"):
         check_output(Path(out), force)

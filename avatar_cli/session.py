@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from avatar_cli.errors import InputError
-from avatar_cli.job import ResolvedJob
+from avatar_cli.job import ResolvedJob, Split
 from avatar_cli.media.audio import AudioWindowReader
 from avatar_cli.media.live import LiveWriter, live_target
 from avatar_cli.media.live_audio import RawPCM, StreamAudio
@@ -44,7 +44,7 @@ from avatar_cli.media.sink import Sink
 from avatar_cli.media.writer import Mp4Writer, resolve_codec
 from avatar_cli.pipeline.checkpoint import chain_digest
 from avatar_cli.pipeline.events import ChunkDone
-from avatar_cli.pipeline.live import Stall, growing_plan
+from avatar_cli.pipeline.live import RelayedAudio, Stall, growing_plan, relay_plan
 from avatar_cli.pipeline.run import Pipeline
 from avatar_cli.prompts import cache as prompt_cache
 from avatar_cli.report import Reporter, peak_rss_mb
@@ -133,21 +133,26 @@ def run_session(p: ResolvedJob, reporter: Reporter, models: ModelCache | None = 
     if streaming_in and not family.live_audio:
         raise InputError(f"audio: {job.audio}: the {family.name} family cannot render audio that is still arriving "
                          "(its audio features need the whole audio first); give it a file")
+    if p.parallel == Split.steps:
+        raise InputError("a live session cannot run the timestep pipeline (runtime.parallel: steps); use sequence")
     runtime, dist = setup_runtime(spec, p.runtime)
+    main = dist.is_main  # under torchrun rank 0 reads the source and writes the outputs; every rank computes
     fps, rate = spec.video.fps, family.geometry.sample_rate
     target = live_target(str(job.output), keep_segments=live.hls_keep_segments)
     realtime = live.realtime if isinstance(live.realtime, bool) else target is not None
 
     # The stream owns stdout: whatever else would print there goes to stderr while the session runs.
     stdout_fd = None
-    if target is not None and target.url == "-":
+    if main and target is not None and target.url == "-":
         reporter.off_stdout()
         stdout_fd = os.dup(1)
         os.dup2(2, 1)
-    audio = reader = preview = None
+    audio = reader = preview = relayed = None
     sinks: list[Sink] = []
     try:
-        if streaming_in:
+        if streaming_in and not main:
+            relayed = RelayedAudio(rate)  # the windows rank 0 reads, broadcast with each chunk
+        elif streaming_in:
             raw = live.raw_audio
             audio = StreamAudio.open(str(job.audio), rate=rate, timeout_s=live.first_audio_s,
                                      raw=RawPCM(raw.format, raw.rate, raw.channels) if raw.format else None)
@@ -161,23 +166,25 @@ def run_session(p: ResolvedJob, reporter: Reporter, models: ModelCache | None = 
         def track(name: str):  # each writer reads the audio timeline (or the file) on its own
             return audio.feed(name) if audio is not None else str(job.audio)
 
-        if target is not None:
+        if not main:
+            pass  # a rank other than 0 writes nothing
+        elif target is not None:
             stream = os.fdopen(stdout_fd, "wb", buffering=0, closefd=False) if stdout_fd is not None else None
             sinks.append(LiveWriter(target, realtime=realtime, stdout=stream, audio_path=track("output"), **common))
         else:  # a live input into an MP4 file: written as a render writes it, renamed when the session ends
             sinks.append(Mp4Writer(job.partial_output, total_frames=2**62, audio_path=track("output"), **common))
-        if live.preview:
+        if main and live.preview:
             preview = Preview(Path(str(job.output)), on_first=lambda event, t: reporter.live(
                 {"event": "viewer", "playback": event, "t": round(t, 3)},
                 f"preview: a viewer's player is {event} at {t:.1f} s" if event != "time" else None))
             reporter.live({"event": "preview", "url": preview.url}, f"preview: {preview.url}")
-        if job.record is not None:
+        if main and job.record is not None:
             job.record.parent.mkdir(parents=True, exist_ok=True)
             sinks.append(Mp4Writer(job.record, total_frames=2**62, audio_path=track("record"), **common))
-        clock = _Clock(sinks[0] if len(sinks) == 1 else _Tee(sinks))
+        clock = _Clock(sinks[0] if len(sinks) == 1 else _Tee(sinks)) if main else None
 
         prompts = prompt_cache.job_prompts(spec.runtime.text_cache, job.path.parent, p.model, runtime.dtype,
-                                           reporter.info, write=True, service=spec.runtime.text_service)
+                                           reporter.info, write=main, service=spec.runtime.text_service)
         prompt_cache.ready(prompts, spec.prompt, runtime.device, dist)
         modules, placement = (models or ModelCache()).get(p.model, runtime, dist, spec.runtime, reporter,
                                                           skip=set(prompt_cache.skipped(prompts, spec.prompt)))
@@ -200,17 +207,26 @@ def run_session(p: ResolvedJob, reporter: Reporter, models: ModelCache | None = 
                        "size": list(p.size), "realtime": realtime},
                       f"ready: reading {'stdin' if str(job.audio) == '-' else job.audio}, "
                       f"writing {'stdout' if str(job.output) == '-' else job.output}")
+        lookahead_s = family.audio_lookahead_s({n: m.model for n, m in modules.items()})
         if audio is not None:
             audio.wait_started(live.first_audio_s)
             first_audio.append(audio.arrival(0) or time.monotonic())
-            chunks = growing_plan(lambda total: pipeline.schedule(spec, total), audio, fps,
-                                  lookahead_s=family.audio_lookahead_s({n: m.model for n, m in modules.items()}),
+            chunks = growing_plan(lambda total: pipeline.schedule(spec, total), audio, fps, lookahead_s=lookahead_s,
                                   stall_s=live.stall_s, on_stall=on_stall, on_wait=waits.append)
             source = audio
+        elif relayed is not None:
+            chunks, source = None, relayed
         else:
             first_audio.append(time.monotonic())
             chunks = pipeline.schedule(spec, p.frames)
             source = reader
+        if streaming_in and dist.enabled:  # every rank runs the chunks rank 0's plan hands out, on its samples
+            margin = int(np.ceil(lookahead_s * rate)) + int(np.ceil(rate / fps)) + 1
+
+            def span(chunk) -> tuple[int, int]:  # the samples a chunk's features read, and a frame to spare
+                return int(chunk.start * rate // fps) - margin, int(np.ceil(chunk.end * rate / fps)) + margin
+
+            chunks = relay_plan(chunks, audio, dist, span, relayed)
         out = pipeline.publish_to(clock, p.size)
         stretches: list[list] = []  # (start, end, digest) of each published stretch: the render's frames_digest
         warned_slow = False
@@ -219,7 +235,7 @@ def run_session(p: ResolvedJob, reporter: Reporter, models: ModelCache | None = 
             nonlocal warned_slow
             end = d.published
             latency = None
-            if end in clock.put_at:
+            if clock is not None and end in clock.put_at:
                 # The chunk's last audio sample (the input's last, where the video's last frame runs past it).
                 arrived = audio.arrival(min(int(np.ceil(end * rate / fps)), audio.arrived) - 1) if audio is not None \
                     else first_audio[0] + (end / fps if realtime else 0.0)
@@ -247,7 +263,7 @@ def run_session(p: ResolvedJob, reporter: Reporter, models: ModelCache | None = 
         except BaseException:
             out.abort()  # the chunk in flight is dropped; every output closes cleanly with what it has
             raise
-        if target is None:
+        if main and target is None:
             os.replace(job.partial_output, job.output)
     finally:
         if preview is not None:
@@ -265,7 +281,8 @@ def run_session(p: ResolvedJob, reporter: Reporter, models: ModelCache | None = 
     return SessionSummary(
         output=str(job.output), frames=stats.frames, video_fps=fps, duration_s=round(stats.frames / fps, 4),
         wall_s=round(time.monotonic() - t_start, 4),
-        first_frame_s=round(clock.first - first_audio[0], 4) if clock.first is not None and first_audio else None,
+        first_frame_s=round(clock.first - first_audio[0], 4) if clock is not None and clock.first is not None
+        and first_audio else None,
         latency_median_s=round(statistics.median(latencies), 4) if latencies else None,
         latency_p95_s=round(_percentile(latencies, 0.95), 4) if latencies else None,
         stalls=len(stalls), silence_s=round(silence, 4), frames_digest=chain_digest(stretches),

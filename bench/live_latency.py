@@ -122,8 +122,9 @@ def main() -> None:
     print(text)
     if args.append:
         path = ROOT / "bench" / "results.md"
-        head, _, rest = path.read_text().partition("\n\n")
-        path.write_text(head + "\n\n" + text + "\n" + rest)
+        old = path.read_text()
+        at = old.index("\n## ") + 1  # above the newest section
+        path.write_text(old[:at] + text + "\n" + old[at:])
 
 
 if __name__ == "__main__":

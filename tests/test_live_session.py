@@ -267,3 +267,43 @@ def test_an_rtmp_server_that_goes_away_ends_the_session(job_dir: Path, tmp_path:
     assert code == 1, err
     assert url in err and "Traceback" not in err
     assert decode(record, fmt=None)[0] >= 32  # what was published is in the recording, which plays
+
+
+def test_two_ranks_run_the_session_one_process_runs(rendered, tmp_path: Path):
+    """Under torchrun rank 0 reads stdin and relays each chunk's audio: the session's frames are those of the same
+    job rendered from the file on two ranks, bit for bit, and within the two-rank tolerance of one process's."""
+    folder, one = rendered
+    two_file = tmp_path / "two.mp4"
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+                "avatar_cli", "render", str(folder / "job.yaml"), "--json"]
+    r = subprocess.run([*launcher, "-o", str(two_file)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    file_done = [e for e in events(r.stdout) if e["event"] == "done"][0]
+    proc = subprocess.Popen([*launcher, "audio=-", "-o", "-"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    out, err = proc.communicate((folder / "speech.wav").read_bytes(), timeout=300)
+    assert proc.returncode == 0, err.decode()[-3000:]
+    done = [e for e in events(err.decode()) if e["event"] == "done"][0]
+    assert done["frames"] == file_done["frames"] == one["frames"]
+    assert done["frames_digest"] == file_done["frames_digest"]
+    video, _, _ = decode(out)
+    assert video == one["frames"]
+
+
+def test_wan_s2v_takes_a_file_into_a_live_output_but_refuses_a_live_input(tmp_path: Path):
+    """Its audio features normalise over the whole audio (the official code's), so it cannot read audio that is still
+    arriving: exit 2 before any model loads; a file into HLS renders in the streaming mode."""
+    from avatar_cli.families.registry import init_family_dir
+    from tests.conftest import write_reference, write_wav
+
+    init_family_dir(tmp_path / "wan", "tiny", seed=0, family="wan-s2v")
+    write_reference(tmp_path / "ref.png")
+    write_wav(tmp_path / "speech.wav", 1.0)
+    (tmp_path / "job.yaml").write_text("reference: ref.png\naudio: speech.wav\noutput: out.mp4\nmodel: wan\n")
+    refused = avatar("render", str(tmp_path / "job.yaml"), "audio=-", "-o", str(tmp_path / "live.m3u8"))
+    assert refused.returncode == 2 and "cannot render audio that is still arriving" in refused.stderr
+    r = avatar("render", str(tmp_path / "job.yaml"), "mode=streaming", "-o", str(tmp_path / "hls" / "live.m3u8"),
+               "--json")
+    assert r.returncode == 0, r.stderr
+    done = events(r.stdout)[-1]
+    assert done["event"] == "done" and decode(tmp_path / "hls" / "live.m3u8", fmt=None)[0] == done["frames"] == 16

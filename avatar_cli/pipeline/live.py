@@ -16,16 +16,18 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Protocol
+
+import numpy as np
 
 from avatar_cli.errors import RenderError
 from avatar_cli.families.base import Chunk
 from avatar_cli.pipeline.schedule import num_frames
 
-__all__ = ["LiveAudio", "Stall", "growing_plan", "STALL_S"]
+__all__ = ["LiveAudio", "Stall", "growing_plan", "STALL_S", "RelayedAudio", "relay_plan"]
 
 STALL_S = 1.0  # default wait for a chunk's audio before it renders on silence
 
@@ -109,3 +111,44 @@ def growing_plan(plan: Callable[[int], list[Chunk]], audio: LiveAudio, fps: floa
             added = audio.pad_to(need)
             if added:
                 on_stall(Stall(at=need - added, samples=added, waited_s=time.monotonic() - t0))
+
+
+class RelayedAudio:
+    """The audio a rank other than 0 reads in a live session under torchrun: the windows rank 0 read from the live
+    source for each chunk and broadcast with it (`relay_plan`), so every rank sees the same samples."""
+
+    def __init__(self, rate: int):
+        self.rate = rate
+        self._windows: list[tuple[int, np.ndarray]] = []  # (first sample, samples), oldest first
+
+    def put(self, start: int, samples: np.ndarray) -> None:
+        self._windows.append((start, samples))
+
+    def read(self, start: int, end: int) -> np.ndarray:
+        """float32 (end - start,) from the newest window that covers [start, end): what rank 0 read there (zeros
+        included, where its audio had not arrived or lay before the start)."""
+        for first, x in reversed(self._windows):
+            if first <= start and end <= first + x.size:
+                return x[start - first:end - first].copy()
+        raise RenderError(f"live: samples [{start}, {end}) were not relayed from rank 0")
+
+    def release(self, before: int) -> None:
+        self._windows = [(f, x) for f, x in self._windows if f + x.size > before]
+
+
+def relay_plan(chunks: Iterable[Chunk] | None, audio, dist, span: Callable[[Chunk], tuple[int, int]],
+               relayed: RelayedAudio | None = None) -> Iterator[Chunk]:
+    """Every rank runs the chunks rank 0's live plan hands out. Rank 0 (`chunks`, reading `audio`) broadcasts each
+    chunk with the samples `span(chunk)` covers, what the family's features read for it; the other ranks (`chunks`
+    None) put those samples into `relayed` and run the chunk. A None marks the end of the plan."""
+    if dist.is_main:
+        for chunk in chunks:
+            lo, hi = span(chunk)
+            dist.broadcast_object((chunk, lo, audio.read(lo, hi)))
+            yield chunk
+        dist.broadcast_object(None)
+        return
+    while (message := dist.broadcast_object(None)) is not None:
+        chunk, lo, samples = message
+        relayed.put(lo, samples)
+        yield chunk
