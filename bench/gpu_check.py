@@ -23,7 +23,9 @@ Sections (--sections, comma-separated; the default runs the first four):
   decode            runtime.decode worker vs inline: the sample job (mini) at 512x512 and a 30 s clip, 2 renders
                     of each mode alternating: generate s, rtf, TTFF, the decode's seconds and the render process's
                     wait on the worker's queue, peak GPU memory, the worker's peak RSS, and whether the frames match;
-  live              bench/live_gpu.py: the wan-s2v streaming mode's block forward at 704x384, its fps and TTFF.
+  live              bench/live_gpu.py: the wan-s2v streaming mode's block forward at 704x384, its fps and TTFF;
+  live_session      a live session of the sample job on this device (bench/live_latency.py): a WAV on stdin at the
+                    speaker's pace, `-o -`: first frame out, latency median and 95th percentile, stalls.
 Each section is guarded: a failure prints its error and the rest still run (exit 1 if any failed). --budget-s
 bounds the whole run; give `wan` a run of its own.
 
@@ -58,6 +60,7 @@ from avatar_cli.families.wan_s2v.dit import WanDiTParams, WanS2VDiT  # noqa: E40
 from avatar_cli.families.wan_s2v.vae import WanVAE, WanVAEParams  # noqa: E402
 import wan_budget as wb  # noqa: E402  (bench/: the Wan shapes and meta counting shared with the budget)
 import live_gpu  # noqa: E402  (bench/: the streaming mode's section)
+import live_latency  # noqa: E402  (bench/: the live session's section)
 
 DEV = torch.device("cuda", 0)
 SMOKE = False  # --smoke: CPU, toy sizes
@@ -287,6 +290,16 @@ def decode() -> None:
                                  f"same frames: {'yes' if same else 'NO'}")
 
 
+def live_session() -> None:
+    """A live session of the sample job on this device, a WAV on stdin at the speaker's pace (bench/live_latency.py)."""
+    seconds = size(60, 3)
+    r = live_latency.session(seconds, overrides=(f"runtime.device={DEV.type}",))
+    report(f"live session ({seconds} s): first frame out s", r["first_frame_s"])
+    report(f"live session ({seconds} s): latency median s", round(r["latency_median_s"], 3))
+    report(f"live session ({seconds} s): latency p95 s", round(r["latency_p95_s"], 3))
+    report(f"live session ({seconds} s): stalls", r["stalls"])
+
+
 def measure(name: str, **fields) -> dict:
     """One JSON line for a measurement; its fields also become figures of the summary and the markdown."""
     print(json.dumps({"measure": name, **fields}), flush=True)
@@ -474,7 +487,7 @@ def markdown(command: str) -> str:
 
 
 DEFAULT_SECTIONS = ("handoff", "offload_overhead", "encode_fps", "renders")
-ALL_SECTIONS = (*DEFAULT_SECTIONS, "wan", "decode", "live")
+ALL_SECTIONS = (*DEFAULT_SECTIONS, "wan", "decode", "live", "live_session")
 
 
 def main() -> int:
@@ -501,7 +514,7 @@ def main() -> int:
     report("torch", torch.__version__)
     sections = {"handoff": handoff, "offload_overhead": offload_overhead, "encode_fps": encode_fps,
                 "renders": lambda: renders(args.long_s, deadline), "wan": wan, "decode": decode,
-                "live": lambda: live_gpu.live(sys.modules[__name__])}
+                "live": lambda: live_gpu.live(sys.modules[__name__]), "live_session": live_session}
     for name in chosen:
         section = sections[name]
         if time.monotonic() > deadline:

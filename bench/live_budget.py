@@ -69,12 +69,22 @@ def main() -> None:
         ttff_one = t_pre + steps * t_fwd + prime
         ttff_tpp = t_pre + steps * t_fwd + prime  # block 0 still passes the 4 step ranks one after another
         ttff_sp = t_pre / W + steps * t_sp + prime
-        rows.append((dt, t_fwd, one, tpp, sp_inline, sp_worker, ttff_one, ttff_tpp, ttff_sp, t_sp))
+        rows.append((dt, t_fwd, one, tpp, sp_inline, sp_worker, ttff_one, ttff_tpp, ttff_sp, t_sp, dec))
     print(f"\n| DiT dtype | block forward, 1 GPU | 1 GPU fps | steps ({steps + 1} GPUs) fps | sequence ({W} GPUs) fps, "
           f"decode inline / worker | TTFF 1 GPU / steps / sequence |\n|---|---|---|---|---|---|")
-    for dt, t_fwd, one, tpp, spi, spw, t1, tt, ts, t_sp in rows:
+    for dt, t_fwd, one, tpp, spi, spw, t1, tt, ts, t_sp, _ in rows:
         print(f"| {dt} | {t_fwd * 1e3:.0f} ms ({W} GPUs: {t_sp * 1e3:.0f} ms) | {one:.1f} | {tpp:.1f} | "
               f"{spi:.1f} / {spw:.1f} | {t1:.2f} / {tt:.2f} / {ts:.2f} s |")
+    # A live session: a block starts once its 12 frames' audio (0.75 s at 16 fps) has arrived, so a block's latency
+    # (its last audio sample in -> its frames out) is its own processing time, as long as the layout keeps up with
+    # 16 fps; below that, latency grows by (16 / fps - 1) s every second of speech.
+    def live(fps: float, seconds: float) -> str:
+        return f"{seconds:.2f} s" if fps >= 16 else f"{seconds:.2f} s, growing {16 / fps - 1:.2f} s/s"
+    print("\n| DiT dtype | live latency per block: 1 GPU | steps (5 GPUs) | sequence (8 GPUs; a session decodes inline) |"
+          "\n|---|---|---|---|")
+    for dt, t_fwd, one, tpp, spi, spw, t1, tt, ts, t_sp, dec in rows:
+        print(f"| {dt} | {live(one, steps * t_fwd + dec)} | {live(tpp, steps * t_fwd + dec)} | "
+              f"{live(spi, steps * t_sp + dec)} |")
     step_rank = DIT_GB + RING_GB + SINK_GB + AUDIO_VAE_GB + 1.0
     decode_rank = 0.51 + DECODER_CACHE_GB + 1.1 + steps * RING_GB + SINK_GB
     sp_rank = DIT_GB + steps * RING_GB / W + SINK_GB / W + AUDIO_VAE_GB + DECODER_CACHE_GB + 1.1 + 0.5

@@ -28,13 +28,14 @@ from run import ROOT, WORK, looped_speech, sample_process
 PIECE_S = 0.02
 
 
-def session(seconds: float) -> dict:
+def session(seconds: float, overrides: tuple[str, ...] = ()) -> dict:
+    WORK.mkdir(parents=True, exist_ok=True)
     wav = looped_speech(seconds, WORK / f"live_{int(seconds)}s.wav")
     with wave.open(str(wav)) as w:
         rate, pcm = w.getframerate(), w.readframes(w.getnframes())
     header = wav.read_bytes()[:44]
     cmd = [sys.executable, "-m", "avatar_cli", "render", str(ROOT / "sample_inputs" / "job.yaml"), "audio=-",
-           "-o", "-", "--json"]
+           "-o", "-", "--json", *overrides]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     stream_bytes = [0]
 
