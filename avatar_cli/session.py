@@ -238,7 +238,7 @@ def run_session(p: ResolvedJob, reporter: Reporter, models: ModelCache | None = 
             if clock is not None and end in clock.put_at:
                 # The chunk's last audio sample (the input's last, where the video's last frame runs past it).
                 arrived = audio.arrival(min(int(np.ceil(end * rate / fps)), audio.arrived) - 1) if audio is not None \
-                    else first_audio[0] + (end / fps if realtime else 0.0)
+                    else first_audio[0] + end / fps if realtime else None  # a file not paced: no arrival time
                 if arrived is not None:
                     latency = max(0.0, clock.put_at[end] - arrived)
                     latencies.append(latency)

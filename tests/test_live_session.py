@@ -355,3 +355,37 @@ def test_audio_pushed_over_rtmp(rendered, tmp_path: Path):
     # AAC's priming and padding, and the listener losing the last packet at the hang-up: a frame or two either way.
     assert last["event"] == "done" and abs(last["frames"] - done["frames"]) <= 3
     assert decode(tmp_path / "out.mp4", fmt=None)[0] == last["frames"]
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mount)], check=True)
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_full_disk_under_hls_is_exit_1(job_dir: Path, small_disk: Path):
+    from tests.conftest import write_wav
+
+    write_wav(job_dir / "long.wav", 60.0)
+    playlist = small_disk / "live.m3u8"
+    proc = start_avatar("render", str(job_dir / "job.yaml"), f"audio={job_dir / 'long.wav'}", "-o", str(playlist),
+                        "--json", "live.hls_keep_segments=true", "live.realtime=false")
+    try:
+        for line in proc.stdout:  # a few segments out, then another process fills the disk
+            if line.startswith(b'{"event": "chunk"') and json.loads(line)["published"] >= 100:
+                break
+        with open(small_disk / "filler", "wb") as f:
+            try:
+                while True:
+                    f.write(b"\0" * 65536)
+                    f.flush()
+            except OSError:
+                pass
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, err.decode()[-2000:]
+    assert "disk full" in err.decode() and "Traceback" not in err.decode()

@@ -36,6 +36,7 @@ __all__ = ["LiveTarget", "live_target", "LiveWriter", "HLS_SEGMENT_S", "HLS_LIST
 
 HLS_SEGMENT_S = 1  # seconds per segment: a keyframe every second lets the muxer cut exactly there
 HLS_LIST_SIZE = 6  # segments a rolling playlist names (players start ~3 segments from its live edge)
+HLS_MIN_FREE = 1 << 20  # bytes a segment folder must have free before a segment starts
 # URL schemes that FFmpeg opens for writing and the muxer each one takes.
 _UNREACHABLE = {errno.ECONNREFUSED, errno.ECONNRESET, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ETIMEDOUT,
                 errno.EIO, errno.EPIPE, errno.ENOENT, errno.EACCES}
@@ -124,6 +125,15 @@ class LiveWriter(Mp4Writer):
             return InputError(f"output: {self.target.url}: cannot open the {self.target.kind} output ({reason(exc)})")
         return super()._start_failed(exc, codec)
 
+    def _check_space(self) -> None:
+        """FFmpeg's HLS muxer does not report a segment it could not write: a full disk would leave a playlist of
+        empty segments and a session that says it succeeded. So each second, before the next segment starts, the
+        folder must have room for one (its writes then fail as the disk's do)."""
+        folder = Path(self.target.url).parent
+        st = os.statvfs(folder)
+        if st.f_bavail * st.f_frsize < HLS_MIN_FREE:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(folder))
+
     def abort(self):
         """Stop: the frames already handed over still go out, unpaced, so the stream ends where a recording of it
         ends; what cannot be sent any more (the server went away) is dropped."""
@@ -134,6 +144,8 @@ class LiveWriter(Mp4Writer):
             return super().abort()
 
     def _encode_frame(self, rgb) -> None:
+        if self.target.format == "hls" and self._frames_written % max(1, round(float(self.rate))) == 0:
+            self._check_space()
         if self.realtime:
             now = time.monotonic()
             if self._clock0 is None:
