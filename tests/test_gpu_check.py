@@ -92,7 +92,7 @@ def test_fused_attention_holds_the_output_not_the_scores():
 
 
 def test_full_size_budget_figures_the_readme_quotes():
-    """The 14B DiT on meta: parameter bytes, tokens and FLOPs of a 480p clip (fact sheet §2.2, §3.6, §7)."""
+    """The 14B DiT on meta: parameter bytes, tokens and FLOPs of a 480p clip (counted from the release's shapes: bench/wan_budget.py)."""
     p = WanDiTParams.full()
     dit = wb.on_meta(WanS2VDiT, p, torch.bfloat16)
     assert wb.n_params(dit) == 16_295_755_609 and wb.n_bytes(dit) == 2 * 16_295_755_609

@@ -1,4 +1,4 @@
-"""The text cache (issue 16 §1): k encoder runs for k distinct prompts, a cached job never loads its text encoder,
+"""The text cache (avatar_cli/prompts/): k encoder runs for k distinct prompts, a cached job never loads its text encoder,
 corrupt entries are encoded again, concurrent writers leave one valid entry, and the video does not change."""
 
 import json

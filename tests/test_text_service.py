@@ -1,4 +1,4 @@
-"""`avatar serve text` and its client (issue 16 §2): the service's encodings are the local ones bit for bit, a
+"""`avatar serve text` and its client: the service's encodings are the local ones bit for bit, a
 render naming it loads no text encoder and makes the same video, a service that is down is exit 2 at validation
 and exit 1 during a render (or a fallback with a note), bad requests get a 4xx while the service keeps serving,
 and 8 clients' load leaves its memory flat."""

@@ -166,7 +166,7 @@ def test_sink_offset_is_explicit_and_matters(model, golden, streamed):
 
 
 def test_full_size_cache_bytes():
-    """§6.8 at 704x384 (latent 48x88), bf16, on the meta device: 10.38 GB per step's ring, 2640 sink tokens."""
+    """LiveAvatar's rings at 704x384 (latent 48x88), bf16, on the meta device: 10.38 GB per step's ring, 2640 sink tokens."""
     p = WanDiTParams.full()
     c = causal.CausalCaches.empty(p, 48, 88, dtype=torch.bfloat16, device="meta")
     assert c.ring_tokens == 12_672

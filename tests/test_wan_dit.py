@@ -188,7 +188,7 @@ def test_audio_length_must_match_frames(model, cases):
 
 
 def test_positions_at_480p():
-    # fact sheet §2.5 / §3.6: 448x832 -> latent 56x104, 20 frames: 29,120 noisy + 1,456 ref + 2,184 motion tokens
+    # The official 480p clip: 448x832 -> latent 56x104, 20 frames: 29,120 noisy + 1,456 ref + 2,184 motion tokens
     p = WanDiTParams.full()
     pos = s2v_positions(p, 20, 56, 104, with_motion=True)
     assert pos.shape == (32_760, 3) and s2v_positions(p, 20, 56, 104, with_motion=False).shape[0] == 30_576

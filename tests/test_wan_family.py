@@ -121,7 +121,7 @@ def test_lip_sync_arithmetic():
 
 
 def test_official_area_rule():
-    # Fact sheet §3.3 (h x w): the official get_size_less_than_area at 480 x 832.
+    # (h x w) the official get_size_less_than_area at 480 x 832.
     assert size_less_than_area(1080, 1920, 480 * 832) == (448, 832)
     assert size_less_than_area(1920, 1080, 480 * 832) == (832, 448)
     assert size_less_than_area(1024, 1024, 480 * 832) == (576, 576)

@@ -24,11 +24,11 @@ from avatar_cli.modules.tensor_files import (
 from tests.conftest import avatar
 
 GOLDEN = Path(__file__).parent / "golden" / "wan_s2v"
-DIT_PARAMS = 16_295_755_609  # fact sheet §2.2
-T5_PARAMS = 5_680_910_336  # §5.1
-VAE_PARAMS = 126_892_531  # §4.1
+DIT_PARAMS = 16_295_755_609  # the release's DiT, counted from its safetensors headers
+T5_PARAMS = 5_680_910_336  # the release's umT5-XXL encoder
+VAE_PARAMS = 126_892_531  # the release's Wan2.1 VAE
 
-# The 14B config.json (§2.1; WanModel_S2V.__init__ argument names).
+# The 14B release's config.json (WanModel_S2V.__init__ argument names).
 CONFIG_14B = {
     "_class_name": "WanModel_S2V", "_diffusers_version": "0.35.0", "model_type": "s2v",
     "patch_size": [1, 2, 2], "text_len": 512, "in_dim": 16, "dim": 5120, "ffn_dim": 13824, "freq_dim": 256,

@@ -32,8 +32,8 @@ from avatar_cli.families.registry import check_directory
 from tests.conftest import avatar, write_reference, write_wav
 
 GOLDEN = Path(__file__).parent / "golden" / "wan_s2v"
-VAE_PARAMS = 126_892_531  # fact sheet §4.1
-T5_PARAMS = 5_680_910_336  # §5.1
+VAE_PARAMS = 126_892_531  # the release's Wan2.1 VAE
+T5_PARAMS = 5_680_910_336  # the release's umT5-XXL encoder
 
 
 def key_list(name: str) -> dict[str, tuple[int, ...]]:

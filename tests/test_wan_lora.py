@@ -131,7 +131,7 @@ def test_matches_peft_merge_and_unload(tmp_path, weights, dtype):
 
 
 def test_full_size_targets_and_lora_size():
-    # fact sheet §1.2: 40 x 8 attention + 40 x 2 FFN + 12 x 4 audio-injector modules, 676,331,520 params at r=128
+    # LiveAvatar's LoRA: 40 x 8 attention + 40 x 2 FFN + 12 x 4 audio-injector modules, 676,331,520 params at r=128
     with torch.device("meta"):
         m = WanS2VDiT(WanDiTParams.full())
     targets = peft_targets(m)

@@ -10,7 +10,7 @@ from avatar_cli.families.wan_s2v.sampler import euler_schedule, sample_unipc, un
 
 GOLDEN = Path(__file__).parent / "golden" / "wan_s2v"
 
-# wan/utils/fm_solvers_unipc.py set_timesteps(40, shift=3), fact sheet §3.4.
+# wan/utils/fm_solvers_unipc.py set_timesteps(40, shift=3), as speech2video.py calls it.
 OFFICIAL_40 = [999, 991, 982, 973, 963, 954, 944, 933, 922, 911, 899, 887, 874, 861, 847, 832, 817, 801, 785, 767,
                749, 730, 710, 688, 666, 642, 617, 590, 562, 531, 499, 465, 428, 388, 345, 299, 249, 195, 136, 71]
 
