@@ -266,7 +266,7 @@ def prompts_encode(
         from avatar_cli.errors import EXIT_BAD_INPUT, SpecError
         from avatar_cli.prompts.encode import fill
 
-        overrides = [a for a in args if "=" in a and not Path(a).exists()] + (["live.preview=true"] if preview else [])
+        overrides = [a for a in args if "=" in a and not Path(a).exists()]
         job_args = [a for a in args if a not in overrides]
         if not job_args:
             raise SpecError("no job given: avatar prompts encode JOB.yaml [KEY=VALUE ...]")
