@@ -96,3 +96,37 @@ def test_a_stall_renders_on_silence_and_the_audio_continues_after_it():
     rest = list(gen)
     total = num_frames(56 * RATE // FPS + RATE, RATE, FPS)
     assert [first, second, *rest] == plan_of(False)(total)
+
+
+def test_the_relay_reads_only_what_rank_0_still_holds():
+    """Rank 0 broadcasts a chunk's samples from no earlier than what its source still holds (its features released
+    the rest), and the other ranks read the same values back."""
+    import numpy as np
+
+    from avatar_cli.pipeline.live import RelayedAudio, relay_plan
+    from avatar_cli.families.base import Chunk
+
+    class Source:
+        held_from = 25000  # above the span's start (23600): the relay must not read below it
+
+        def read(self, a, b):
+            assert a >= self.held_from
+            return np.arange(a, b, dtype=np.float32)
+
+    class Wire:  # two "ranks" in one process: what rank 0 broadcasts, rank 1 receives
+        def __init__(self, main, box):
+            self.is_main, self.box = main, box
+
+        def broadcast_object(self, obj):
+            if self.is_main:
+                self.box.append(obj)
+                return obj
+            return self.box.pop(0)
+
+    chunks = [Chunk("N", 0, 40, 24, (), (40, 64), 64)]
+    box: list = []
+    sent = list(relay_plan(chunks, Source(), Wire(True, box), lambda c: (c.start * 640 - 2000, c.end * 640)))
+    relayed = RelayedAudio(16000)
+    got = list(relay_plan(None, None, Wire(False, box), lambda c: (0, 0), relayed))
+    assert sent == got == chunks
+    np.testing.assert_array_equal(relayed.read(30000, 30010), np.arange(30000, 30010, dtype=np.float32))

@@ -118,6 +118,12 @@ class StreamAudio:
             return self._end
 
     @property
+    def held_from(self) -> int:
+        """The first timeline sample still held (what every reader released before it is gone)."""
+        with self._cond:
+            return self._base
+
+    @property
     def ended(self) -> bool:
         with self._cond:
             return self._ended

@@ -144,6 +144,7 @@ def relay_plan(chunks: Iterable[Chunk] | None, audio, dist, span: Callable[[Chun
     if dist.is_main:
         for chunk in chunks:
             lo, hi = span(chunk)
+            lo = max(lo, audio.held_from)  # rank 0's own reads never reach below what it released: nor do the others'
             dist.broadcast_object((chunk, lo, audio.read(lo, hi)))
             yield chunk
         dist.broadcast_object(None)
