@@ -132,3 +132,24 @@ def write_job(folder: Path, model: Path) -> Path:
 def job_dir(tmp_path: Path, tiny_model: Path) -> Path:
     """A folder with the tiny model's job (write_job)."""
     return write_job(tmp_path, tiny_model)
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    """A 6 MB tmpfs, for the tests of a disk that fills up mid-render."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mount)], check=True)
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def fill(disk: Path) -> None:
+    """Another process fills the disk: write until there is no space left."""
+    with open(disk / "filler", "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError:
+            pass

@@ -15,7 +15,7 @@ import pytest
 
 from avatar_cli.batch import expand_jobs, take_shard
 from avatar_cli.media.writer import count_video_frames
-from tests.conftest import avatar, start_avatar, write_wav
+from tests.conftest import avatar, fill, start_avatar, write_wav
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
@@ -309,26 +309,6 @@ def test_shards_partition_the_batch(tmp_path: Path):
 def test_bad_shard_argument(job_dir: Path):
     result = cli("render", str(job_dir / "job.yaml"), "--shard", "3/3", "--json")
     assert result.returncode == 2 and "--shard" in result.stdout
-
-
-@pytest.fixture
-def small_disk(tmp_path: Path):
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mount)], check=True)
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=False)
-
-
-def fill(disk: Path) -> None:
-    """Another process fills the disk: write until there is no space left."""
-    with open(disk / "filler", "wb") as f:
-        try:
-            while True:
-                f.write(b"\0" * 65536)
-                f.flush()
-        except OSError:
-            pass
 
 
 def test_disk_full_mid_render_loses_nothing(job_dir: Path, small_disk: Path):

@@ -18,7 +18,7 @@ import av
 import numpy as np
 import pytest
 
-from tests.conftest import avatar
+from tests.conftest import avatar, fill
 
 FPS = 25.0
 
@@ -357,15 +357,6 @@ def test_audio_pushed_over_rtmp(rendered, tmp_path: Path):
     assert decode(tmp_path / "out.mp4", fmt=None)[0] == last["frames"]
 
 
-@pytest.fixture
-def small_disk(tmp_path: Path):
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mount)], check=True)
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=False)
-
-
 def test_a_full_disk_under_hls_is_exit_1(job_dir: Path, small_disk: Path):
     from tests.conftest import write_wav
 
@@ -377,13 +368,7 @@ def test_a_full_disk_under_hls_is_exit_1(job_dir: Path, small_disk: Path):
         for line in proc.stdout:  # a few segments out, then another process fills the disk
             if line.startswith(b'{"event": "chunk"') and json.loads(line)["published"] >= 100:
                 break
-        with open(small_disk / "filler", "wb") as f:
-            try:
-                while True:
-                    f.write(b"\0" * 65536)
-                    f.flush()
-            except OSError:
-                pass
+        fill(small_disk)
         out, err = proc.communicate(timeout=120)
     finally:
         proc.kill()
