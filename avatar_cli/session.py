@@ -130,9 +130,6 @@ def run_session(p: ResolvedJob, reporter: Reporter, models: ModelCache | None = 
     spec, live, job = p.job.spec, p.job.spec.live, p.job
     family = p.model.family
     streaming_in = is_stream_input(str(job.audio))
-    if streaming_in and not family.live_audio:
-        raise InputError(f"audio: {job.audio}: the {family.name} family cannot render audio that is still arriving "
-                         "(its audio features need the whole audio first); give it a file")
     if p.parallel == Split.steps:
         raise InputError("a live session cannot run the timestep pipeline (runtime.parallel: steps); use sequence")
     runtime, dist = setup_runtime(spec, p.runtime)

@@ -290,23 +290,45 @@ def test_two_ranks_run_the_session_one_process_runs(rendered, tmp_path: Path):
     assert video == one["frames"]
 
 
-def test_wan_s2v_takes_a_file_into_a_live_output_but_refuses_a_live_input(tmp_path: Path):
-    """Its audio features normalise over the whole audio (the official code's), so it cannot read audio that is still
-    arriving: exit 2 before any model loads; a file into HLS renders in the streaming mode."""
+def test_wan_s2v_live_input_and_file_into_a_live_output(tmp_path: Path):
+    """A live input renders with the live features (audio.LiveAudioFeatures: no whole audio to normalise over), the
+    same frames whether the audio arrives at once or in pieces; a file into HLS renders in the streaming mode."""
+    import threading
+
     from avatar_cli.families.registry import init_family_dir
     from tests.conftest import write_reference, write_wav
 
     init_family_dir(tmp_path / "wan", "tiny", seed=0, family="wan-s2v")
     write_reference(tmp_path / "ref.png")
-    write_wav(tmp_path / "speech.wav", 1.0)
-    (tmp_path / "job.yaml").write_text("reference: ref.png\naudio: speech.wav\noutput: out.mp4\nmodel: wan\n")
-    refused = avatar("render", str(tmp_path / "job.yaml"), "audio=-", "-o", str(tmp_path / "live.m3u8"))
-    assert refused.returncode == 2 and "cannot render audio that is still arriving" in refused.stderr
-    r = avatar("render", str(tmp_path / "job.yaml"), "mode=streaming", "-o", str(tmp_path / "hls" / "live.m3u8"),
-               "--json")
+    write_wav(tmp_path / "speech.wav", 2.0)
+    (tmp_path / "job.yaml").write_text("reference: ref.png\naudio: speech.wav\noutput: out.mp4\nmodel: wan\n"
+                                       "mode: streaming\n")
+    wav = (tmp_path / "speech.wav").read_bytes()
+    digests = []
+    for pieces in (1, 8):
+        fifo = tmp_path / f"speech_{pieces}.fifo"
+        os.mkfifo(fifo)
+
+        def feed(fifo=fifo, pieces=pieces):
+            with open(fifo, "wb") as f:
+                step = -(-len(wav) // pieces)
+                for k in range(0, len(wav), step):
+                    f.write(wav[k:k + step])
+                    f.flush()
+                    time.sleep(0.05)
+
+        threading.Thread(target=feed, daemon=True).start()
+        r = avatar("render", str(tmp_path / "job.yaml"), f"audio={fifo}", "-o", str(tmp_path / f"live_{pieces}.mp4"),
+                   "--json")
+        assert r.returncode == 0, r.stderr
+        done = events(r.stdout)[-1]
+        assert done["event"] == "done" and done["frames"] == 32
+        digests.append(done["frames_digest"])
+    assert digests[0] == digests[1]
+    r = avatar("render", str(tmp_path / "job.yaml"), "-o", str(tmp_path / "hls" / "live.m3u8"), "--json")
     assert r.returncode == 0, r.stderr
     done = events(r.stdout)[-1]
-    assert done["event"] == "done" and decode(tmp_path / "hls" / "live.m3u8", fmt=None)[0] == done["frames"] == 16
+    assert done["event"] == "done" and decode(tmp_path / "hls" / "live.m3u8", fmt=None)[0] == done["frames"] == 32
 
 
 PUBLISHER = textwrap.dedent("""

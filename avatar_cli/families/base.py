@@ -161,9 +161,6 @@ class Family(ABC):
     # Raised when a release of avatar changes what this family computes from the same inputs and weights: a resume
     # point written by another revision is refused (its frames and state would not continue the new ones).
     revision: ClassVar[int] = 0
-    # Its audio features read only what has arrived, so it can render audio that is still arriving (a live
-    # session); False where they need the whole audio first (statistics over all of it).
-    live_audio: ClassVar[bool] = True
 
     def is_decode_state(self, name: str) -> bool:
         """Whether the rolling-state tensor `name` is the decode step's own (its causal cache): `decode` reads and

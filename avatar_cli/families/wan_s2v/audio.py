@@ -46,7 +46,7 @@ if TYPE_CHECKING:  # transformers' modeling import takes 1.9 s: made where a mod
 __all__ = ["SAMPLE_RATE", "HOP", "FIELD", "W2V_FPS", "FEATURE_FPS", "VIDEO_FPS", "CLIP_FRAMES", "NUM_LAYERS",
            "num_w2v_frames", "num_feature_frames", "num_clips", "frame_indices", "feature_time_s", "load_wav2vec2",
            "normalize", "hidden_states", "to_feature_rate", "audio_features", "clip_audio", "normalization_stats",
-           "WindowedAudioFeatures"]
+           "WindowedAudioFeatures", "LiveAudioFeatures"]
 
 SAMPLE_RATE = 16000
 HOP = 320  # samples per wav2vec2 frame: the conv strides 5 * 2**6
@@ -300,4 +300,44 @@ class WindowedAudioFeatures:
         feats = self.features(lo, int(sel[-1]) + 1 if len(sel) else 0)  # (25, span, dim)
         out = feats.new_zeros(NUM_LAYERS, num_frames, self.model.config.hidden_size)  # (25, n, dim)
         out[:, inside.to(out.device)] = feats[:, (sel - lo).to(out.device)]  # (25, n_inside, dim)
+        return out.permute(0, 2, 1)[None]  # (1, 25, dim, n)
+
+
+class LiveAudioFeatures:
+    """The features of audio that is still arriving (a live session), where the official whole-audio computation
+    cannot run: its normalisation uses the whole audio's mean and deviation, and its 50 -> 30 fps resampling maps
+    wav2vec2 frame T_w - 1 onto feature T30 - 1 of the whole length. Here, for each request:
+
+    - wav2vec2 runs on a window of `window_s` ending `lookahead_s` past the last frame asked for (so a frame sees
+      context on both sides, as in the windowed file path), normalised with that window's own mean and deviation;
+    - 30-fps feature i is interpolated at wav2vec2 position i * 50 / 30, the rate the official mapping tends to as
+      the audio grows (for a 10-s audio it stretches by 0.2 %).
+
+    So a live render's features are close to, not equal to, a file render's of the same audio; `read` must hold the
+    samples up to `lookahead_s` past the request (the live plan waits for them: `lookahead_s` is the family's
+    audio lookahead).
+    """
+
+    def __init__(self, model: Wav2Vec2Model, extractor: Wav2Vec2FeatureExtractor,
+                 read: Callable[[int, int], np.ndarray], *, window_s: float = 10.0, lookahead_s: float = 0.5):
+        self.model, self.read = model, read
+        self.normalize = bool(extractor.do_normalize)
+        self.window = int(round(window_s * W2V_FPS))
+        self.ahead = int(round(lookahead_s * W2V_FPS))
+
+    def clip(self, first_frame: int, num_frames: int, fps: int = VIDEO_FPS) -> torch.Tensor:
+        """(1, 25, dim, num_frames) features of video frames first_frame .. first_frame + num_frames - 1."""
+        idx = frame_indices(num_frames, fps, first_frame).to(torch.float64)  # (n,) 30-fps feature indices
+        pos = idx * (W2V_FPS / FEATURE_FPS)  # (n,) wav2vec2 positions
+        f1 = int(pos.max().floor()) + 2 + self.ahead  # frames [f0, f1): the window ends past the last one asked for
+        f0 = max(0, min(int(pos.min().floor()), f1 - self.window))
+        x = np.asarray(self.read(HOP * f0, HOP * (f1 - 1) + FIELD), dtype=np.float32)  # (n_samples,)
+        if self.normalize:
+            x = (x - x.mean()) / np.sqrt(x.var() + np.float32(1e-7))  # the extractor's rule, over this window
+        h = hidden_states(self.model, torch.from_numpy(np.ascontiguousarray(x)))  # (25, f1 - f0, dim)
+        local = (pos - f0).clamp(0, h.shape[1] - 1)  # (n,)
+        lo = local.floor().long()  # (n,)
+        hi = (lo + 1).clamp(max=h.shape[1] - 1)  # (n,)
+        lam = (local - lo.to(local.dtype)).to(h.dtype)[None, :, None].to(h.device)  # (1, n, 1)
+        out = h[:, lo.to(h.device)] * (1 - lam) + h[:, hi.to(h.device)] * lam  # (25, n, dim)
         return out.permute(0, 2, 1)[None]  # (1, 25, dim, n)

@@ -37,7 +37,7 @@ from torch import nn
 
 from avatar_cli.families.base import (AudioSource, Chunk, Family, Final, Geometry, Models, ParallelPlan, RollingState,
                                       Sampling, Step)
-from avatar_cli.families.wan_s2v.audio import SAMPLE_RATE, WindowedAudioFeatures, normalization_stats
+from avatar_cli.families.wan_s2v.audio import SAMPLE_RATE, LiveAudioFeatures, WindowedAudioFeatures, normalization_stats
 from avatar_cli.families.wan_s2v.components import UMT5Text, Wav2Vec2Audio
 from avatar_cli.families.wan_s2v.dit import WanS2VDiT
 from avatar_cli.families.wan_s2v.model_dir import WanS2VConfig
@@ -88,7 +88,8 @@ class WanS2VFamily(Family):
     # 1: the last audio layer is wav2vec2's post-layer-norm output, as the official code reads it;
     # 2: the reference is resized as the official code resizes it (PIL, then 8 bits; fit_reference)
     revision = 2
-    live_audio = False  # wav2vec2's input is normalised with the whole audio's mean and std (the official code's)
+    # Audio still arriving (a live session) has no whole to normalise over: audio.LiveAudioFeatures instead.
+    LIVE_LOOKAHEAD_S = 0.5
 
     def __init__(self, config: WanS2VConfig):
         self.config = config
@@ -207,14 +208,23 @@ class WanS2VFamily(Family):
 
     # --- per chunk ---------------------------------------------------------------------------------------
 
-    def _features(self, models: Models, audio: AudioSource) -> WindowedAudioFeatures:
-        """The job's windowed wav2vec2 features (built once per audio source: one pass for the statistics)."""
+    def _features(self, models: Models, audio: AudioSource) -> WindowedAudioFeatures | LiveAudioFeatures:
+        """The job's windowed wav2vec2 features (built once per audio source: one pass for the statistics); for
+        audio of unknown length (a live session's, which has no `total`), the live features."""
         if self._audio is None or self._audio[0] is not audio:
             enc = models["audio"]
-            mean, std = normalization_stats(audio.stream())
-            feats = WindowedAudioFeatures(enc.model, enc.extractor, audio.read, audio.total, mean=mean, std=std)
+            if not hasattr(audio, "total"):
+                feats = LiveAudioFeatures(enc.model, enc.extractor, audio.read, lookahead_s=self.LIVE_LOOKAHEAD_S)
+            else:
+                mean, std = normalization_stats(audio.stream())
+                feats = WindowedAudioFeatures(enc.model, enc.extractor, audio.read, audio.total, mean=mean, std=std)
             self._audio = (audio, feats)
         return self._audio[1]
+
+    def audio_lookahead_s(self, models: Models) -> float:
+        # The live features' window ends LIVE_LOOKAHEAD_S past a frame's position, plus two wav2vec2 frames and
+        # one frame's receptive field (< 0.1 s): all of it must have arrived, or the features would depend on when.
+        return self.LIVE_LOOKAHEAD_S + 0.1
 
     def clip_audio(self, models: Models, audio: AudioSource, start: int, length: int, fps: float) -> torch.Tensor:
         """(1, 25, dim, length) features of video frames start .. start + length - 1; zeros outside the audio."""
