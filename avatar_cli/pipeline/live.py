@@ -144,7 +144,8 @@ def relay_plan(chunks: Iterable[Chunk] | None, audio, dist, span: Callable[[Chun
     if dist.is_main:
         for chunk in chunks:
             lo, hi = span(chunk)
-            lo = max(lo, audio.held_from)  # rank 0's own reads never reach below what it released: nor do the others'
+            if audio.held_from > 0:  # rank 0's reads never reach below what it released, nor do the others'
+                lo = max(lo, audio.held_from)  # (before the start, below 0, its source reads zeros: relayed too)
             dist.broadcast_object((chunk, lo, audio.read(lo, hi)))
             yield chunk
         dist.broadcast_object(None)
