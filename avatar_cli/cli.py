@@ -185,9 +185,10 @@ def validate(job: JobArg, overrides: OverridesArg = None, output: OutputOpt = No
         warnings = p.warnings
         info = {"event": "valid", "job": str(j.path), "reference": str(j.reference),
                 "reference_size": [int(p.image.shape[1]), int(p.image.shape[0])], "audio": str(j.audio),
-                "audio_s": round(p.audio.duration_s, 4), "frames": p.frames, "video_fps": j.spec.video.fps,
+                "audio_s": round(p.audio.duration_s, 4) if p.audio is not None else None,  # None: a live input
+                "frames": p.frames if p.audio is not None else None, "video_fps": j.spec.video.fps,
                 "size": list(p.size), "model": p.model.name, "output": str(j.output),
-                "output_exists": j.output.exists(), "warnings": warnings}
+                "output_exists": isinstance(j.output, Path) and j.output.exists(), "warnings": warnings}
         for warning in warnings:
             reporter.info(warning)
         _print_info(reporter, info)

@@ -396,3 +396,16 @@ def test_a_full_disk_under_hls_is_exit_1(job_dir: Path, small_disk: Path):
         proc.kill()
     assert proc.returncode == 1, err.decode()[-2000:]
     assert "disk full" in err.decode() and "Traceback" not in err.decode()
+
+
+def test_validate_a_live_job(rendered):
+    """validate checks a live job as far as it can before it runs: its length is unknown, its output a stream."""
+    folder, _ = rendered
+    r = avatar("validate", str(folder / "job.yaml"), "audio=-", "-o", "-", "--json")
+    assert r.returncode == 0, r.stderr
+    info = events(r.stdout)[-1]
+    assert info["event"] == "valid" and info["audio"] == "-" and info["audio_s"] is None and info["frames"] is None
+    bad = avatar("validate", str(folder / "job.yaml"), "audio=-", "-o", "-", "live.raw_audio.format=s24")
+    assert bad.returncode == 2 and "live.raw_audio.format" in bad.stderr
+    refused = avatar("validate", str(folder / "job.yaml"), "-o", "out.mp4", "live.preview=true")
+    assert refused.returncode == 2 and "live.preview (--preview) serves an HLS output" in refused.stderr
