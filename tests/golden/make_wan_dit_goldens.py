@@ -68,7 +68,8 @@ def sdpa_flash_attention(q, k, v, q_lens=None, k_lens=None, dropout_p=0.0, softm
 
 
 def import_official(wan_repo: Path):
-    """Import WanModel_S2V from an extracted Wan2.2 tree without running the heavy package __init__s (they import every pipeline and CUDA-only packages)."""
+    """Import WanModel_S2V from an extracted Wan2.2 tree without running the heavy package __init__s (they import
+    every pipeline and CUDA-only packages)."""
     for name, sub in [("wan", "wan"), ("wan.modules", "wan/modules"), ("wan.modules.s2v", "wan/modules/s2v")]:
         pkg = types.ModuleType(name)
         pkg.__path__ = [str(wan_repo / sub)]

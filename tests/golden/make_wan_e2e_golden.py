@@ -83,10 +83,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from official_env import as_metadata, provenance  # tests/golden/, on sys.path as the script's folder
+from make_wan_dit_goldens import sdpa_flash_attention  # the same CPU stand-in as the DiT goldens
 
 GOLDEN = Path(__file__).resolve().parent
 SRC = GOLDEN / "wan_s2v"
@@ -126,19 +126,6 @@ def copy_tree(wan_repo: Path, dst: Path) -> Path:
         assert text.count(old) == 1, (rel, old)
         path.write_text(text.replace(old, new))
     return dst
-
-
-def sdpa_flash_attention(q, k, v, q_lens=None, k_lens=None, dropout_p=0.0, softmax_scale=None, q_scale=None,
-                         causal=False, window_size=(-1, -1), deterministic=False, dtype=torch.bfloat16, version=None):
-    """CPU stand-in for wan.modules.attention.flash_attention: SDPA in the inputs' dtype, k_lens as a key mask."""
-    assert q_lens is None and not causal and tuple(window_size) == (-1, -1) and q_scale is None
-    lk = k.shape[1]
-    mask = None
-    if k_lens is not None and bool((k_lens < lk).any()):
-        mask = (torch.arange(lk)[None, :] < k_lens[:, None])[:, None, None, :]  # (B, 1, 1, Lk)
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
-                                         scale=softmax_scale)
-    return out.transpose(1, 2).type(q.dtype)
 
 
 def import_official(tree: Path):
