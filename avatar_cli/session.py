@@ -191,7 +191,7 @@ def run_session(p: ResolvedJob, reporter: Reporter, models: ModelCache | None = 
         stalls: list[Stall] = []
         waits: list[float] = []  # time spent waiting for audio: not the render's
         latencies: list[float] = []
-        first_audio: list[float] = []
+        first_audio: float | None = None  # when the first audio sample arrived (monotonic)
 
         def on_stall(s: Stall) -> None:
             stalls.append(s)
@@ -207,14 +207,14 @@ def run_session(p: ResolvedJob, reporter: Reporter, models: ModelCache | None = 
         lookahead_s = family.audio_lookahead_s({n: m.model for n, m in modules.items()})
         if audio is not None:
             audio.wait_started(live.first_audio_s)
-            first_audio.append(audio.arrival(0) or time.monotonic())
+            first_audio = audio.arrival(0) or time.monotonic()
             chunks = growing_plan(lambda total: pipeline.schedule(spec, total), audio, fps, lookahead_s=lookahead_s,
                                   stall_s=live.stall_s, on_stall=on_stall, on_wait=waits.append)
             source = audio
         elif relayed is not None:
             chunks, source = None, relayed
         else:
-            first_audio.append(time.monotonic())
+            first_audio = time.monotonic()
             chunks = pipeline.schedule(spec, p.frames)
             source = reader
         if streaming_in and dist.enabled:  # every rank runs the chunks rank 0's plan hands out, on its samples
@@ -235,7 +235,7 @@ def run_session(p: ResolvedJob, reporter: Reporter, models: ModelCache | None = 
             if clock is not None and end in clock.put_at:
                 # The chunk's last audio sample (the input's last, where the video's last frame runs past it).
                 arrived = audio.arrival(min(int(np.ceil(end * rate / fps)), audio.arrived) - 1) if audio is not None \
-                    else first_audio[0] + end / fps if realtime else None  # a file not paced: no arrival time
+                    else first_audio + end / fps if realtime else None  # a file not paced: no arrival time
                 if arrived is not None:
                     latency = max(0.0, clock.put_at[end] - arrived)
                     latencies.append(latency)
@@ -278,8 +278,8 @@ def run_session(p: ResolvedJob, reporter: Reporter, models: ModelCache | None = 
     return SessionSummary(
         output=str(job.output), frames=stats.frames, video_fps=fps, duration_s=round(stats.frames / fps, 4),
         wall_s=round(time.monotonic() - t_start, 4),
-        first_frame_s=round(clock.first - first_audio[0], 4) if clock is not None and clock.first is not None
-        and first_audio else None,
+        first_frame_s=round(clock.first - first_audio, 4) if clock is not None and clock.first is not None
+        and first_audio is not None else None,
         latency_median_s=round(statistics.median(latencies), 4) if latencies else None,
         latency_p95_s=round(_percentile(latencies, 0.95), 4) if latencies else None,
         stalls=len(stalls), silence_s=round(silence, 4), frames_digest=chain_digest(stretches),

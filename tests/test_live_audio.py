@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from avatar_cli.errors import InputError, RenderError
-from avatar_cli.media.live_audio import RawPCM, StreamAudio, _PcmFrames, is_stream
+from avatar_cli.media.live_audio import RawPCM, StreamAudio, _PcmFrames
+from avatar_cli.spec import is_stream_input as is_stream
 
 RATE = 16000
 

@@ -33,21 +33,9 @@ import numpy as np
 from avatar_cli.errors import InputError, RenderError
 from avatar_cli.media._files import reason
 
-__all__ = ["RawPCM", "StreamAudio", "TimelineFeed", "is_stream", "RAW_FORMATS"]
+__all__ = ["RawPCM", "StreamAudio", "TimelineFeed", "RAW_FORMATS"]
 
 RAW_FORMATS = ("s16le", "s16be", "s32le", "f32le", "f64le", "u8")  # FFmpeg's raw PCM demuxers
-
-
-def is_stream(audio: str) -> bool:
-    """Whether `audio` names an input of unknown length: stdin, a named pipe or a URL FFmpeg opens."""
-    if audio == "-" or "://" in audio:
-        return True
-    try:
-        import stat
-
-        return stat.S_ISFIFO(os.stat(audio).st_mode)
-    except OSError:
-        return False
 
 
 @dataclass(frozen=True)
