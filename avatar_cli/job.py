@@ -106,10 +106,8 @@ def check_output(output: Path, force: bool) -> None:
 
 
 def check_live(job: Job, force: bool) -> None:
-    """A live session's settings and outputs: no timestep pipeline; an HLS playlist or a recording that exists is
-    replaced only with --force (a stream URL is opened, and refused if it does not answer, when the session starts)."""
-    if job.spec.runtime.parallel == Parallel.steps:
-        raise InputError("runtime.parallel: steps is not available in a live session (sequence or auto is)")
+    """A live session's outputs: an HLS playlist or a recording that exists is replaced only with --force (a stream
+    URL is opened, and refused if it does not answer, when the session starts)."""
     out = str(job.output)
     if out.lower().endswith(".m3u8"):
         check_output(Path(out), force)

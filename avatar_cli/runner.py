@@ -354,7 +354,7 @@ def _render_locked(p: ResolvedJob, reporter: Reporter, models: ModelCache | None
         if expected is not None and expected != s.digest:
             reporter.info(f"warning: frames {s.start}-{s.end} differ from the interrupted render's (another machine "
                           "or thread count?); the video stays valid but may show a seam there")
-        if not main or not saver.due():
+        if not main or not s.resumable or not saver.due():
             return
         try:
             saver.save(s.next_chunk, s.state)

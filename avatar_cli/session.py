@@ -34,7 +34,6 @@ from pathlib import Path
 
 import numpy as np
 
-from avatar_cli.errors import InputError
 from avatar_cli.job import ResolvedJob, Split
 from avatar_cli.media.audio import AudioWindowReader
 from avatar_cli.media.live import LiveWriter, live_target
@@ -44,11 +43,13 @@ from avatar_cli.media.sink import Sink
 from avatar_cli.media.writer import Mp4Writer, resolve_codec
 from avatar_cli.pipeline.checkpoint import chain_digest
 from avatar_cli.pipeline.events import ChunkDone
-from avatar_cli.pipeline.live import RelayedAudio, Stall, growing_plan, relay_plan
+from avatar_cli.pipeline.live import ChunkRelay, GlooWire, RelayedAudio, Stall, growing_plan
 from avatar_cli.pipeline.run import Pipeline
+from avatar_cli.pipeline.steps import rank_skips
 from avatar_cli.prompts import cache as prompt_cache
 from avatar_cli.report import Reporter, peak_rss_mb
 from avatar_cli.runner import ModelCache, setup_runtime
+from avatar_cli.runtime.distributed import Dist, collective_timeout_s
 from avatar_cli.spec import is_stream_input
 
 __all__ = ["run_session", "SessionSummary"]
@@ -130,10 +131,11 @@ def run_session(p: ResolvedJob, reporter: Reporter, models: ModelCache | None = 
     spec, live, job = p.job.spec, p.job.spec.live, p.job
     family = p.model.family
     streaming_in = is_stream_input(str(job.audio))
-    if p.parallel == Split.steps:
-        raise InputError("a live session cannot run the timestep pipeline (runtime.parallel: steps); use sequence")
+    steps = p.parallel == Split.steps  # the timestep pipeline: rank 0 decodes, rank 1 + s runs step s
     runtime, dist = setup_runtime(spec, p.runtime)
     main = dist.is_main  # under torchrun rank 0 reads the source and writes the outputs; every rank computes
+    if main and dist.enabled:
+        reporter.info(f"parallel: {p.parallel.value} ({p.parallel_why})")
     fps, rate = spec.video.fps, family.geometry.sample_rate
     target = live_target(str(job.output), keep_segments=live.hls_keep_segments)
     realtime = live.realtime if isinstance(live.realtime, bool) else target is not None
@@ -148,7 +150,7 @@ def run_session(p: ResolvedJob, reporter: Reporter, models: ModelCache | None = 
     sinks: list[Sink] = []
     try:
         if streaming_in and not main:
-            relayed = RelayedAudio(rate)  # the windows rank 0 reads, broadcast with each chunk
+            relayed = RelayedAudio(rate)  # the windows rank 0 reads, sent with each chunk
         elif streaming_in:
             raw = live.raw_audio
             audio = StreamAudio.open(str(job.audio), rate=rate, timeout_s=live.first_audio_s,
@@ -183,10 +185,19 @@ def run_session(p: ResolvedJob, reporter: Reporter, models: ModelCache | None = 
         prompts = prompt_cache.job_prompts(spec.runtime.text_cache, job.path.parent, p.model, runtime.dtype,
                                            reporter.info, write=main, service=spec.runtime.text_service)
         prompt_cache.ready(prompts, spec.prompt, runtime.device, dist)
-        modules, placement = (models or ModelCache()).get(p.model, runtime, dist, spec.runtime, reporter,
-                                                          skip=set(prompt_cache.skipped(prompts, spec.prompt)))
-        pipeline = Pipeline(modules, family, runtime, placement, prompts=prompts)
+        # The timestep pipeline: each rank loads what its role runs and places it alone (nothing is sharded).
+        absent = rank_skips(family, dist.rank) if steps else set()
+        modules, placement = (models or ModelCache()).get(p.model, runtime, Dist() if steps else dist, spec.runtime,
+                                                          reporter, skip={*prompt_cache.skipped(prompts, spec.prompt),
+                                                                          *absent})
+        pipeline = Pipeline(modules, family, runtime, placement, prompts=prompts,
+                            steps_dist=dist if steps else None, absent=absent)
         image = family.fit_reference(p.image, *p.gen_size)  # (3, H, W) in [-1, 1]
+
+        # Under torchrun the chunks and their audio reach the other ranks over a gloo group of their own, made by
+        # every rank now (before rank 0 waits for the first audio), whose timeout lets the source take that long.
+        if streaming_in and dist.enabled:
+            wire = GlooWire(live.first_audio_s + live.stall_s + collective_timeout_s())
 
         stalls: list[Stall] = []
         waits: list[float] = []  # time spent waiting for audio: not the render's
@@ -204,7 +215,8 @@ def run_session(p: ResolvedJob, reporter: Reporter, models: ModelCache | None = 
                        "size": list(p.size), "realtime": realtime},
                       f"ready: reading {'stdin' if str(job.audio) == '-' else job.audio}, "
                       f"writing {'stdout' if str(job.output) == '-' else job.output}")
-        lookahead_s = family.audio_lookahead_s({n: m.model for n, m in modules.items()})
+        loaded = {n: m.model for n, m in modules.items()}
+        lookahead_s = family.audio_lookahead_s(loaded)
         if audio is not None:
             audio.wait_started(live.first_audio_s)
             first_audio = audio.arrival(0) or time.monotonic()
@@ -218,12 +230,15 @@ def run_session(p: ResolvedJob, reporter: Reporter, models: ModelCache | None = 
             chunks = pipeline.schedule(spec, p.frames)
             source = reader
         if streaming_in and dist.enabled:  # every rank runs the chunks rank 0's plan hands out, on its samples
-            margin = int(np.ceil(lookahead_s * rate)) + int(np.ceil(rate / fps)) + 1
+            frame = int(np.ceil(rate / fps)) + 1
+            behind = int(np.ceil(family.audio_lookbehind_s(loaded) * rate)) + frame
+            ahead = int(np.ceil(lookahead_s * rate)) + frame
 
             def span(chunk) -> tuple[int, int]:  # the samples a chunk's features read, and a frame to spare
-                return int(chunk.start * rate // fps) - margin, int(np.ceil(chunk.end * rate / fps)) + margin
+                return int(chunk.start * rate // fps) - behind, int(np.ceil(chunk.end * rate / fps)) + ahead
 
-            chunks = relay_plan(chunks, audio, dist, span, relayed)
+            relay = ChunkRelay(wire, dist.world_size, span, fps)
+            chunks = relay.send(chunks, audio) if main else relay.receive(relayed)
         out = pipeline.publish_to(clock, p.size)
         stretches: list[list] = []  # (start, end, digest) of each published stretch: the render's frames_digest
         warned_slow = False
@@ -255,7 +270,8 @@ def run_session(p: ResolvedJob, reporter: Reporter, models: ModelCache | None = 
 
         try:
             stats = pipeline.run(spec, image, source, p.frames, out, on_chunk,
-                                 lambda s: stretches.append([s.start, s.end, s.digest]), chunks=chunks)
+                                 lambda s: stretches.append([s.start, s.end, s.digest]), chunks=chunks,
+                                 copies=lambda block: False)  # a stream never resumes: no ring copies
             out.close()
         except BaseException:
             out.abort()  # the chunk in flight is dropped; every output closes cleanly with what it has

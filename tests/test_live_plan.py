@@ -98,35 +98,70 @@ def test_a_stall_renders_on_silence_and_the_audio_continues_after_it():
     assert [first, second, *rest] == plan_of(False)(total)
 
 
+class QueueWire:
+    """Ranks in one process: what rank 0 sends to rank r lands in queue r."""
+
+    def __init__(self, world: int):
+        import queue
+
+        self.boxes = {r: queue.Queue() for r in range(1, world)}
+
+    def send(self, t, dst):
+        self.boxes[dst].put(t.clone())
+
+    def recv(self, src):  # noqa: ARG002 -- only rank 0 sends
+        return self.boxes[self.rank].get(timeout=10)
+
+    def flush(self):
+        pass
+
+
 def test_the_relay_reads_only_what_rank_0_still_holds():
-    """Rank 0 broadcasts a chunk's samples from no earlier than what its source still holds (its features released
-    the rest), and the other ranks read the same values back."""
+    """Rank 0 sends a chunk's samples from no earlier than what its source still holds (its features released the
+    rest), each other rank gets every chunk (fields and kinds intact) and reads the same values back, and rank 0's
+    source is released behind the chunks it relayed."""
     import numpy as np
 
-    from avatar_cli.pipeline.live import RelayedAudio, relay_plan
+    from avatar_cli.pipeline.live import ChunkRelay, RelayedAudio
     from avatar_cli.families.base import Chunk
 
     class Source:
+        rate = 16000
         held_from = 25000  # above the span's start (23600): the relay must not read below it
+        released = 0
 
         def read(self, a, b):
             assert a >= self.held_from
             return np.arange(a, b, dtype=np.float32)
 
-    class Wire:  # two "ranks" in one process: what rank 0 broadcasts, rank 1 receives
-        def __init__(self, main, box):
-            self.is_main, self.box = main, box
+        def release(self, before, reader):
+            assert reader == "relay"
+            self.released = before
 
-        def broadcast_object(self, obj):
-            if self.is_main:
-                self.box.append(obj)
-                return obj
-            return self.box.pop(0)
+    chunks = [Chunk("N", 0, 40, 24, (), (40, 64), 64), Chunk("I", 1, 60, 10, (0, 9), (62, 66), 66)]
+    wire = QueueWire(3)
+    span = lambda c: (c.start * 640 - 2000, c.end * 640)  # noqa: E731
+    source = Source()
+    sent = list(ChunkRelay(wire, 3, span, 25.0).send(chunks, source))
+    assert sent == chunks
+    assert source.released == 60 * 640 - 2000 - 640  # the last chunk's span, less a frame (an I chunk's anchor)
+    for rank in (1, 2):
+        wire.rank = rank
+        relayed = RelayedAudio(16000)
+        got = list(ChunkRelay(wire, 3, span, 25.0).receive(relayed))
+        assert got == chunks
+        np.testing.assert_array_equal(relayed.read(60 * 640, 60 * 640 + 10),
+                                      np.arange(60 * 640, 60 * 640 + 10, dtype=np.float32))
+        with pytest.raises(Exception, match="not relayed"):
+            relayed.read(20000, 20010)  # below what rank 0 held: never sent
 
-    chunks = [Chunk("N", 0, 40, 24, (), (40, 64), 64)]
-    box: list = []
-    sent = list(relay_plan(chunks, Source(), Wire(True, box), lambda c: (c.start * 640 - 2000, c.end * 640)))
-    relayed = RelayedAudio(16000)
-    got = list(relay_plan(None, None, Wire(False, box), lambda c: (0, 0), relayed))
-    assert sent == got == chunks
-    np.testing.assert_array_equal(relayed.read(30000, 30010), np.arange(30000, 30010, dtype=np.float32))
+
+def test_a_failure_in_rank_0s_plan_reaches_its_loop():
+    from avatar_cli.pipeline.live import ChunkRelay
+
+    def plan():
+        raise RuntimeError("audio: the input broke")
+        yield  # noqa: unreachable -- a generator
+
+    with pytest.raises(RuntimeError, match="the input broke"):
+        list(ChunkRelay(QueueWire(2), 2, lambda c: (0, 1), 25.0).send(plan(), type("Audio", (), {"rate": 16000})))

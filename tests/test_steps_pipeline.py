@@ -146,3 +146,35 @@ def test_two_ranks_sequence_parallel_match_one_process(job: Path, one_rank: dict
     assert a.shape == b.shape == (93, 64, 64, 3)
     diff = abs(a - b)
     assert diff.max() <= 4 and (diff > 0).mean() < 1e-3
+
+
+@pytest.mark.slow
+def test_three_ranks_run_a_live_session_one_process_runs(job: Path, tmp_path: Path):
+    """A live session under the timestep pipeline: rank 0 reads stdin, plans as the audio arrives and sends each
+    block's audio to the step ranks, which run ahead of it; its frames are one process's, bit for bit. 3.5 s: 5
+    blocks, so block 4 takes the sink frame the last step's rank rolled; 1.5 s: 2 blocks, the plan ends before any
+    block takes it (the frame sent is taken and dropped at the end)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import write_wav
+
+    for seconds in (3.5, 1.5):
+        wav = tmp_path / f"speech_{seconds}.wav"
+        write_wav(wav, seconds)
+        digests = []
+        for nproc in (1, 3):
+            launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                        str(nproc)] if nproc > 1 else [sys.executable]
+            out = tmp_path / f"live_{seconds}_{nproc}.mp4"
+            proc = subprocess.run([*launcher, "-m", "avatar_cli", "render", str(job), "audio=-", "-o", str(out),
+                                   "--json", "runtime.parallel=auto"], input=wav.read_bytes(), capture_output=True,
+                                  timeout=600, cwd=REPO)
+            err = proc.stderr.decode()
+            assert proc.returncode == 0, err[-3000:]
+            done = [e for e in events(proc.stdout.decode() + err) if e["event"] == "done"][0]
+            assert done["frames"] == round(seconds * 16)
+            digests.append(done["frames_digest"])
+            if nproc == 3:
+                assert "parallel: steps (auto: 3 ranks = 2 denoising steps + a decode rank" in err
+        assert digests[0] == digests[1]

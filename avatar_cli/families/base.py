@@ -244,6 +244,11 @@ class Family(ABC):
         """How far past a frame's start its audio features read (a live session waits for that much more)."""
         return 0.0
 
+    def audio_lookbehind_s(self, models: Models) -> float:
+        """How far before a chunk's first frame its audio features read (what a live session's rank 0 sends the
+        other ranks with the chunk); by default as far as they read ahead, a window centred on each frame."""
+        return self.audio_lookahead_s(models)
+
     @abstractmethod
     def denoise(self, models: Models, inputs: Any, ref: Any, sampling: Sampling, state: RollingState) -> torch.Tensor:
         """Sample the chunk's latents (one per window position). `state`: the rolling state, for a family whose
@@ -271,7 +276,7 @@ class StepPipeline(Protocol):
     the rolling state each rank holds and sends. `state` is always the rank's own rolling state, passed to the
     steps that read or write it."""
 
-    sink_refresh_block: int  # the block whose final latents give the sink frame the others refresh with
+    sink_roll_block: int  # the block whose final latents give the sink frame (rolled_sink_frame) the others take
 
     def block_noise(self, inputs: Any, ref: Any, dtype: torch.dtype) -> torch.Tensor:
         """The chunk's starting noise."""

@@ -24,7 +24,8 @@ class Stretch:
     start: int
     end: int
     digest: str
-    state: RollingState  # the rolling state at this point: enough to resume from here
+    state: RollingState  # the rolling state at this point: enough to resume from here (where resumable)
+    resumable: bool = True  # False: `state` is not whole here (the timestep pipeline copied no rings after it)
 
 
 @dataclass

@@ -15,19 +15,23 @@ the same timeline, so the output's audio track is the input with those silences 
 from __future__ import annotations
 
 import math
+import queue
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from fractions import Fraction
 from typing import Protocol
 
 import numpy as np
+import torch
 
 from avatar_cli.errors import RenderError
 from avatar_cli.families.base import Chunk
 from avatar_cli.pipeline.schedule import num_frames
 
-__all__ = ["LiveAudio", "Stall", "growing_plan", "STALL_S", "RelayedAudio", "relay_plan"]
+__all__ = ["LiveAudio", "Stall", "growing_plan", "STALL_S", "RelayedAudio", "ChunkRelay", "GlooWire"]
 
 STALL_S = 1.0  # default wait for a chunk's audio before it renders on silence
 
@@ -115,7 +119,7 @@ def growing_plan(plan: Callable[[int], list[Chunk]], audio: LiveAudio, fps: floa
 
 class RelayedAudio:
     """The audio a rank other than 0 reads in a live session under torchrun: the windows rank 0 read from the live
-    source for each chunk and broadcast with it (`relay_plan`), so every rank sees the same samples."""
+    source for each chunk and sent with it (`ChunkRelay`), so every rank sees the same samples."""
 
     def __init__(self, rate: int):
         self.rate = rate
@@ -136,21 +140,113 @@ class RelayedAudio:
         self._windows = [(f, x) for f, x in self._windows if f + x.size > before]
 
 
-def relay_plan(chunks: Iterable[Chunk] | None, audio, dist, span: Callable[[Chunk], tuple[int, int]],
-               relayed: RelayedAudio | None = None) -> Iterator[Chunk]:
-    """Every rank runs the chunks rank 0's live plan hands out. Rank 0 (`chunks`, reading `audio`) broadcasts each
-    chunk with the samples `span(chunk)` covers, what the family's features read for it; the other ranks (`chunks`
-    None) put those samples into `relayed` and run the chunk. A None marks the end of the plan."""
-    if dist.is_main:
-        for chunk in chunks:
-            lo, hi = span(chunk)
-            if audio.held_from > 0:  # rank 0's reads never reach below what it released, nor do the others'
-                lo = max(lo, audio.held_from)  # (before the start, below 0, its source reads zeros: relayed too)
-            dist.broadcast_object((chunk, lo, audio.read(lo, hi)))
+class Wire(Protocol):
+    """Point-to-point tensors between ranks (GlooWire; a queue in tests)."""
+
+    def send(self, t: torch.Tensor, dst: int) -> None: ...  # asynchronous: returns before the receiver takes it
+
+    def recv(self, src: int) -> torch.Tensor: ...
+
+    def flush(self) -> None: ...  # wait until every send was taken
+
+
+class GlooWire:
+    """A gloo process group of its own for the relay (CPU tensors, whatever backend the models use), its timeout
+    long enough for a live source's first audio; sends are asynchronous, each tensor kept until it was taken."""
+
+    def __init__(self, timeout_s: float):
+        import torch.distributed as dist
+
+        self._dist = dist
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))  # every rank calls this
+        self._pending: list[tuple[object, torch.Tensor]] = []
+
+    def send(self, t: torch.Tensor, dst: int) -> None:
+        head = torch.tensor([t.dtype == torch.float32, t.numel()], dtype=torch.int64)
+        for x in (head, t.contiguous()):
+            self._pending.append((self._dist.isend(x, dst, group=self.group), x))
+        self._pending = [(w, x) for w, x in self._pending if not w.is_completed()]
+
+    def recv(self, src: int) -> torch.Tensor:
+        head = torch.empty(2, dtype=torch.int64)
+        self._dist.recv(head, src, group=self.group)
+        t = torch.empty(int(head[1]), dtype=torch.float32 if int(head[0]) else torch.int64)
+        self._dist.recv(t, src, group=self.group)
+        return t
+
+    def flush(self) -> None:
+        for w, _ in self._pending:
+            w.wait()
+        self._pending = []
+
+
+_END = -1  # a chunk index that ends the plan
+
+
+def _encode(chunk: Chunk, lo: int) -> torch.Tensor:
+    kind = list(chunk.kind.encode())
+    return torch.tensor([chunk.index, chunk.start, chunk.length, *chunk.keep, chunk.publish_to, lo, len(kind), *kind,
+                         len(chunk.cond), *chunk.cond], dtype=torch.int64)
+
+
+def _decode(t: torch.Tensor) -> tuple[Chunk | None, int]:
+    v = t.tolist()
+    if v[0] == _END:
+        return None, 0
+    index, start, length, k0, k1, publish_to, lo, n = v[:8]
+    kind, rest = bytes(v[8:8 + n]).decode(), v[8 + n:]
+    return Chunk(kind, index, start, length, tuple(rest[1:1 + rest[0]]), (k0, k1), publish_to), lo
+
+
+class ChunkRelay:
+    """Every rank runs the chunks rank 0's live plan hands out, on the samples rank 0 read for them.
+
+    Rank 0 plans in a thread of its own: it reads each chunk's samples (`span(chunk)`, what the family's features
+    read for it) from the live source and sends chunk and samples to every other rank, point to point, without
+    waiting for them to take it. So a rank is never held back by another: under the timestep pipeline rank 1 starts
+    block g + 3 while rank 4 still works on block g, and rank 0, which decodes, takes each chunk as planned. Under
+    sequence parallel every rank takes the chunks in step, as before. A chunk is sent as int64 fields and its samples
+    as float32: nothing is pickled.
+    """
+
+    def __init__(self, wire: Wire, world: int, span: Callable[[Chunk], tuple[int, int]], fps: float):
+        self.wire, self.world, self.span, self.fps = wire, world, span, fps
+
+    def send(self, chunks: Iterable[Chunk], audio) -> Iterator[Chunk]:
+        """Rank 0: the plan's chunks, each sent to the other ranks first. `audio` is the live source; what it reads
+        is released (reader "relay") once no later chunk's span reaches it."""
+        q: queue.Queue = queue.Queue()
+        frame = int(math.ceil(audio.rate / self.fps))  # later chunks start at most a frame before one (an I chunk)
+
+        def plan() -> None:
+            try:
+                for chunk in chunks:
+                    lo, hi = self.span(chunk)
+                    lo = max(lo, audio.held_from) if audio.held_from > 0 else lo  # (its reads never reach below)
+                    samples = torch.from_numpy(audio.read(lo, hi))
+                    for r in range(1, self.world):
+                        self.wire.send(_encode(chunk, lo), r)
+                        self.wire.send(samples, r)
+                    audio.release(max(0, lo - frame), reader="relay")
+                    q.put(chunk)
+                for r in range(1, self.world):
+                    self.wire.send(torch.tensor([_END], dtype=torch.int64), r)
+                self.wire.flush()
+                q.put(None)
+            except BaseException as e:  # noqa: BLE001 -- raised again in the loop that takes the chunks
+                q.put(e)
+
+        threading.Thread(target=plan, name="live-plan", daemon=True).start()
+        while (item := q.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def receive(self, relayed: RelayedAudio) -> Iterator[Chunk]:
+        """A rank other than 0: each chunk rank 0 sends, its samples put into `relayed`, until the plan ends."""
+        while True:
+            chunk, lo = _decode(self.wire.recv(0))
+            if chunk is None:
+                return
+            relayed.put(lo, self.wire.recv(0).numpy())
             yield chunk
-        dist.broadcast_object(None)
-        return
-    while (message := dist.broadcast_object(None)) is not None:
-        chunk, lo, samples = message
-        relayed.put(lo, samples)
-        yield chunk

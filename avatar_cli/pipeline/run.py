@@ -15,7 +15,7 @@ from avatar_cli.media.sink import Sink
 from avatar_cli.media.source import AudioSource
 from avatar_cli.modules.module import Module, not_loaded
 from avatar_cli.pipeline.events import ChunkDone, RenderStats, ResumeFrom, Stretch
-from avatar_cli.pipeline.steps import StepStages, run_steps
+from avatar_cli.pipeline.steps import StepStages, every_block, run_steps
 from avatar_cli.prompts.cache import PromptCache
 from avatar_cli.runtime.device import Runtime
 from avatar_cli.runtime.distributed import Dist
@@ -63,7 +63,7 @@ class Pipeline:
     def run(self, spec: JobSpec, image: torch.Tensor, audio: AudioSource, total_frames: int, out: Publisher,
             on_chunk: Callable[[ChunkDone], None] = lambda _: None,
             on_stretch: Callable[[Stretch], None] = lambda _: None, resume: ResumeFrom | None = None,
-            chunks: Iterable[Chunk] | None = None) -> RenderStats:
+            chunks: Iterable[Chunk] | None = None, copies: Callable[[int], bool] | None = None) -> RenderStats:
         """image (3, H, W) in [-1, 1] at the family's native size.
 
         out: where final latents go. `publish_to(sink, size)` decodes them here into a Sink (sink None: a rank
@@ -73,16 +73,18 @@ class Pipeline:
 
         With `resume`, the schedule continues at `resume.next_chunk` from the saved rolling state. `chunks`: the
         plan to run instead of the schedule of `total_frames` (a live session's plan, which grows as its audio
-        arrives: pipeline/live.py).
+        arrives: pipeline/live.py). copies: under the timestep pipeline, the blocks after which the decode rank gets
+        the step ranks' rings for a resume point (default: every block; a live session, which never resumes: none).
         """
         try:
-            return self._run(spec, image, audio, total_frames, out, on_chunk, on_stretch, resume, chunks)
+            return self._run(spec, image, audio, total_frames, out, on_chunk, on_stretch, resume, chunks, copies)
         finally:
             self.placement.release()  # the next chunk's prefetched model, or a stage an error left open
 
     def _run(self, spec: JobSpec, image: torch.Tensor, audio: AudioSource, total_frames: int, out: Publisher,
              on_chunk: Callable[[ChunkDone], None], on_stretch: Callable[[Stretch], None],
-             resume: ResumeFrom | None, chunks: Iterable[Chunk] | None) -> RenderStats:
+             resume: ResumeFrom | None, chunks: Iterable[Chunk] | None,
+             copies: Callable[[int], bool] | None) -> RenderStats:
         t0 = time.perf_counter()
         timer = StageTimer(self.runtime, flops=self.count_flops)
         fps, s = spec.video.fps, spec.sampling
@@ -92,7 +94,7 @@ class Pipeline:
         if self.steps_dist is not None:
             stages = StepStages(self.reference, self.prompt, self.context, self.a2v, self.sr)
             return run_steps(stages, self.placement, self.steps_dist, spec, image, audio, chunks, out, on_chunk,
-                             on_stretch, resume, timer, t0)
+                             on_stretch, resume, timer, t0, copies or every_block)
         first = resume.next_chunk if resume else 0
         state = resume.state if resume else RollingState()
         if resume and first < len(chunks):

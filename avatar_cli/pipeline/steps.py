@@ -15,8 +15,8 @@ Bit-identical to one rank (tests/test_steps_pipeline.py): every step runs the sa
 `LiveAvatarFamily.denoise` does in one process; the ranks exchange tensors exactly (send/recv, no reduction).
 
 Resume points. A checkpoint holds what one rank's render holds after block g, so a render resumes with either way:
-each step rank sends rank 0 a copy of its ring after every block (and step 0's rank the sink when it changes), and
-rank 0 assembles the state. That is cheap at tiny sizes and the wrong design at full size (41.5 GB of rings per
+each step rank sends rank 0 a copy of its ring after the blocks `copies` names (and step 0's rank the sink when it
+changes), and rank 0 assembles the state; a live session, which never resumes, sends none. That is cheap at tiny sizes and the wrong design at full size (41.5 GB of rings per
 block at 704x384, causal.py's docstring counts them; see live.py's docstring for the re-prefill alternative).
 
 Sends are asynchronous (isend) with at most PENDING blocks in flight per rank: a rank runs ahead of its consumer by
@@ -25,13 +25,13 @@ that much and no further, which bounds the memory the copies in flight take. Rec
 
 import time
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
-from avatar_cli.families.base import Family, Final, RollingState, Sampling, Step
+from avatar_cli.families.base import Chunk, Family, Final, RollingState, Sampling, Step
 from avatar_cli.media.source import AudioSource
 from avatar_cli.pipeline.events import ChunkDone, RenderStats, ResumeFrom, Stretch
 from avatar_cli.runtime.distributed import Dist
@@ -160,30 +160,40 @@ class StepStages:
     sr: SuperResolve
 
 
+def every_block(block: int) -> bool:  # noqa: ARG001
+    return True
+
+
 def run_steps(stages: StepStages, placement: Placement, dist_: Dist, spec, image: torch.Tensor, audio: AudioSource,
-              chunks: list, out: Publisher, on_chunk: Callable[[ChunkDone], None],
+              chunks: Iterable[Chunk], out: Publisher, on_chunk: Callable[[ChunkDone], None],
               on_stretch: Callable[[Stretch], None], resume: ResumeFrom | None, timer: StageTimer,
-              t0: float) -> RenderStats:
+              t0: float, copies: Callable[[int], bool] = every_block) -> RenderStats:
     """The timestep pipeline's part of Pipeline.run on this rank (module docstring): its stages, placed by
-    `placement`; rank 0 publishes through `out`."""
+    `placement`; rank 0 publishes through `out`.
+
+    chunks: the plan, a list or (a live session) the chunks as they are planned; every rank runs the same ones.
+    copies(block): whether the step ranks send the decode rank their rings after that block, a schedule both
+    sides know; a stretch published after another block carries no state to resume from (`Stretch.resumable`)."""
     s = spec.sampling
     sampling = Sampling(s.steps, s.guidance, s.shift)
     first = resume.next_chunk if resume else 0
     state = resume.state if resume else RollingState()
     if dist_.rank == DECODE_RANK:
         ttff = _decode_rank(stages, placement, dist_, spec, chunks, first, state, out, on_chunk, on_stretch, timer,
-                            t0)
+                            t0, copies)
+        frames = state.published
     else:
-        _step_rank(stages, placement, dist_, spec, image, audio, chunks, first, state, sampling, timer)
+        frames = _step_rank(stages, placement, dist_, spec, image, audio, chunks, first, state, sampling, timer,
+                            copies)
         ttff = None
-    return RenderStats(frames=state.published if dist_.rank == DECODE_RANK else chunks[-1].publish_to,
-                       wall_s=time.perf_counter() - t0, ttff_s=ttff or 0.0,
+    return RenderStats(frames=frames, wall_s=time.perf_counter() - t0, ttff_s=ttff or 0.0,
                        compute_s=dict(timer.seconds))
 
 
 def _step_rank(stages: StepStages, placement: Placement, dist_: Dist, spec, image: torch.Tensor,
-               audio: AudioSource, chunks: list, first: int, state: RollingState, sampling: Sampling,
-               timer: StageTimer) -> None:
+               audio: AudioSource, chunks: Iterable[Chunk], first: int, state: RollingState, sampling: Sampling,
+               timer: StageTimer, copies: Callable[[int], bool]) -> int:
+    """Runs step `rank - 1` of every block; returns the frames the plan published."""
     family, group, fps = stages.a2v.family, dist_.group, spec.video.fps
     step = step_of(dist_.rank)
     last = dist_.world_size - 1
@@ -193,53 +203,66 @@ def _step_rank(stages: StepStages, placement: Placement, dist_: Dist, spec, imag
     out = Outbox(group)
     stage = placement.stage
     dtype = next(models["dit"].parameters()).dtype
-    if first < len(chunks):
-        stages.context.release_before(audio, chunks[first].start - 1, fps)
     with timer(Step.reference), stage(stages.reference.needs):
         ref = stages.reference.run(image)
     with timer(Step.prompt), stage(stages.prompt.needs_for(spec.prompt)):
         text = stages.prompt.run(spec.prompt)
+    published, rolled, took_frame = 0, False, False  # the last rank sent the sink frame / this rank took it
     try:
-        for i in range(first, len(chunks)):
-            chunk = chunks[i]
+        for i, chunk in enumerate(chunks):
+            if i < first:
+                continue  # resumed after it
+            if i == first:
+                stages.context.release_before(audio, chunk.start - 1, fps)
             with timer(Step.context), stage(stages.context.needs):
                 inputs = stages.context.run(chunk, audio, fps, text, state, spec.seed)
                 stages.context.release_before(audio, chunk.start - 1, fps)
             with timer(Step.a2v), stage(stages.a2v.needs):
                 if family.needs_sink_frame(chunk.index, state) and step != last - 1:
                     family.put_sink_frame(state, recv(last, device, group))  # rolled by the last step's rank
+                    took_frame = True
                 x = family.block_noise(inputs, ref, dtype) if step == 0 else recv(dist_.rank - 1, device, group)
                 x = family.denoise_step(models, inputs, ref, x, step, sampling, state, own_ring=True)  # (16, 3, h, w)
             if dist_.rank == last:
                 z = family.block_latents(inputs, ref, x)  # (F, 16, h, w)
                 out.send(z, DECODE_RANK)
                 frame = family.rolled_sink_frame(chunk.index, z)
-                if frame is not None and len(chunks) > family.sink_refresh_block:
+                if frame is not None:  # sent whether or not a block uses it: the plan's length may be unknown
                     for r in range(1, last):
                         out.send(frame, r)
                     family.put_sink_frame(state, frame)
             else:
                 out.send(x, dist_.rank + 1)
-            for t in family.step_tensors(state, step, chunk.index).values():  # for the decode rank's checkpoint
-                out.send(t.clone(), DECODE_RANK)
+            rolled = rolled or chunk.index == family.sink_roll_block
+            if copies(chunk.index):
+                for t in family.step_tensors(state, step, chunk.index).values():  # for the decode rank's checkpoint
+                    out.send(t.clone(), DECODE_RANK)
             out.end_block()
+            published = chunk.publish_to
+        if rolled and not took_frame and step != last - 1:
+            recv(last, device, group)  # the plan ended before the block that uses the rolled sink frame
     finally:
         out.flush()
+    return published
 
 
-def _decode_rank(stages: StepStages, placement: Placement, dist_: Dist, spec, chunks: list, first: int,
+def _decode_rank(stages: StepStages, placement: Placement, dist_: Dist, spec, chunks: Iterable[Chunk], first: int,
                  state: RollingState, out: Publisher, on_chunk: Callable[[ChunkDone], None],
-                 on_stretch: Callable[[Stretch], None], timer: StageTimer, t0: float) -> float | None:
+                 on_stretch: Callable[[Stretch], None], timer: StageTimer, t0: float,
+                 copies: Callable[[int], bool]) -> float | None:
     family, group, device = stages.sr.family, dist_.group, stages.sr.runtime.device
     steps = dist_.world_size - 1
     stage = placement.stage
-    for i in range(first, len(chunks)):
-        chunk = chunks[i]
+    for i, chunk in enumerate(chunks):
+        if i < first:
+            continue
         z = recv(dist_.world_size - 1, device, group)  # (F, 16, h, w) the block's final latents
-        per_step = [{name: recv(1 + s, device, group) for name in family.step_tensor_names(s, chunk.index)}
-                    for s in range(steps)]
         family.keep(chunk, z, state, spec.chunking)
-        family.merge_step_tensors(state, per_step, chunk.index)
+        resumable = copies(chunk.index)
+        if resumable:
+            per_step = [{name: recv(1 + s, device, group) for name in family.step_tensor_names(s, chunk.index)}
+                        for s in range(steps)]
+            family.merge_step_tensors(state, per_step, chunk.index)
         final = state.take_final(chunk.publish_to)
         if final is not None:
             with timer(Step.sr), stage(stages.sr.needs):
@@ -247,7 +270,7 @@ def _decode_rank(stages: StepStages, placement: Placement, dist_: Dist, spec, ch
             with timer(Step.decode), stage(out.needs):
                 stretches = out.publish(final, i + 1, state)
             for stretch in stretches:
-                on_stretch(stretch)
+                on_stretch(stretch if resumable else replace(stretch, resumable=False))
         on_chunk(ChunkDone(chunk, time.perf_counter() - t0, state.published))
     for stretch in out.finish():
         on_stretch(stretch)

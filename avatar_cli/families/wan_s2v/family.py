@@ -90,6 +90,7 @@ class WanS2VFamily(Family):
     revision = 2
     # Audio still arriving (a live session) has no whole to normalise over: audio.LiveAudioFeatures instead.
     LIVE_LOOKAHEAD_S = 0.5
+    LIVE_WINDOW_S = 10.0
 
     def __init__(self, config: WanS2VConfig):
         self.config = config
@@ -214,7 +215,8 @@ class WanS2VFamily(Family):
         if self._audio is None or self._audio[0] is not audio:
             enc = models["audio"]
             if not hasattr(audio, "total"):
-                feats = LiveAudioFeatures(enc.model, enc.extractor, audio.read, lookahead_s=self.LIVE_LOOKAHEAD_S)
+                feats = LiveAudioFeatures(enc.model, enc.extractor, audio.read, window_s=self.LIVE_WINDOW_S,
+                                          lookahead_s=self.LIVE_LOOKAHEAD_S)
             else:
                 mean, std = normalization_stats(audio.stream())
                 feats = WindowedAudioFeatures(enc.model, enc.extractor, audio.read, audio.total, mean=mean, std=std)
@@ -225,6 +227,9 @@ class WanS2VFamily(Family):
         # The live features' window ends LIVE_LOOKAHEAD_S past a frame's position, plus two wav2vec2 frames and
         # one frame's receptive field (< 0.1 s): all of it must have arrived, or the features would depend on when.
         return self.LIVE_LOOKAHEAD_S + 0.1
+
+    def audio_lookbehind_s(self, models: Models) -> float:
+        return self.LIVE_WINDOW_S + 0.1  # the live features' window reaches that far back from its end
 
     def clip_audio(self, models: Models, audio: AudioSource, start: int, length: int, fps: float) -> torch.Tensor:
         """(1, 25, dim, length) features of video frames start .. start + length - 1; zeros outside the audio."""

@@ -241,7 +241,7 @@ class LiveAvatarFamily(WanS2VFamily):
     # --- the timestep pipeline (pipeline/steps.py): rank 1 + s runs step s, rank 0 decodes -----------------
 
     step_pipeline = True
-    sink_refresh_block = BLOCKS_PER_CLIP
+    sink_roll_block = 0  # rolled_sink_frame
 
     @staticmethod
     def step_state(state: RollingState, step: int) -> RollingState:
