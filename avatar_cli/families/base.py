@@ -122,6 +122,9 @@ class ParallelPlan:
     frame_parallel: components that work frame by frame, so each rank takes a share of the frames.
     sequence_parallel: the component whose forward the ranks split (Ulysses over heads), with the wrapper
       that does it (model, process group) -> module, and its head count (the rank count must divide it).
+    quantized: (component, attribute paths) pairs: the nn.Linears under those paths are the ones
+      `runtime.weights: fp8 | int8` quantizes (runtime/quantize.py; "*" is every child); components not listed
+      stay in the runtime dtype whatever the setting.
     """
 
     sharded: tuple[str, ...] = ()
@@ -130,6 +133,11 @@ class ParallelPlan:
     sp_wrap: Callable[[nn.Module, Any], nn.Module] | None = None
     sp_heads: int = 1
     float32: tuple[str, ...] = ()
+    quantized: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+    def quantized_paths(self, component: str) -> tuple[str, ...] | None:
+        """The paths quantized in `component`, None when the family keeps it whole."""
+        return dict(self.quantized).get(component)
 
 
 @dataclass(frozen=True)

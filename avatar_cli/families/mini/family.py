@@ -49,7 +49,9 @@ class MiniFamily(Family):
     @property
     def parallel(self) -> ParallelPlan:
         return ParallelPlan(sharded=("dit", "text"), frame_parallel=("sr",), sequence_parallel="dit",
-                            sp_wrap=SequenceParallelDiT, sp_heads=self.config.dit.heads)
+                            sp_wrap=SequenceParallelDiT, sp_heads=self.config.dit.heads,
+                            # runtime.weights: the blocks' attention and MLP (not their modulation `ada`)
+                            quantized=(("dit", ("blocks.*.attn", "blocks.*.mlp")), ("text", ("blocks",))))
 
     def latent_shape(self) -> tuple[int, int, int]:
         d = self.config.dit

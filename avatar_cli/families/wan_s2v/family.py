@@ -55,6 +55,11 @@ SIZE_DIVISOR = 64  # the official area rule pads sizes to multiples of 64
 STRIDE = 16  # a size must be a multiple of VAE stride 8 x patch 2
 MIN_SIDE = 64  # FramePack's 4x motion tokens pool 8 x 8 latents
 PUT_LATENTS = 2  # latents decoded per hand-off to the encoder: 8 frames, a quick first frame
+# What `runtime.weights: fp8 | int8` quantizes (runtime/quantize.py): the Linears of the DiT's 40 blocks and of its 12
+# audio injectors' cross-attentions (15.3 of its 16.3 B parameters), and of umT5's 24 layers (4.6 of 5.7 B). Left in
+# the runtime dtype: the embeddings, the time embedding and projection, the head and the audio encoder (the
+# official fp32 islands), the injectors' AdaIN Linears (they scale and shift whole frames of tokens), the norms.
+QUANTIZED = (("dit", ("blocks", "audio_injector.injector")), ("text", ("blocks",)))
 
 
 def size_less_than_area(h: int, w: int, target_area: int, divisor: int = SIZE_DIVISOR) -> tuple[int, int]:
@@ -115,7 +120,7 @@ class WanS2VFamily(Family):
         # The VAE and wav2vec2 stay float32 as in the official code (its VAE wrapper and audio encoder never
         # leave float32); the DiT and umT5 take the runtime's dtype (bf16 on GPUs).
         return ParallelPlan(sharded=("dit", "text"), sequence_parallel="dit", sp_wrap=SequenceParallelWanDiT,
-                            sp_heads=self.config.dit.num_heads, float32=("vae", "audio"))
+                            sp_heads=self.config.dit.num_heads, float32=("vae", "audio"), quantized=QUANTIZED)
 
     def job_defaults(self) -> dict[str, Any]:
         return {"video.fps": NATIVE_FPS, "sampling.steps": 40, "sampling.guidance": 4.5, "sampling.shift": 3.0,

@@ -73,7 +73,7 @@ from avatar_cli.families.base import (AudioSource, Chunk, Family, Final, Geometr
 from avatar_cli.families.wan_s2v.audio import SAMPLE_RATE
 from avatar_cli.families.wan_s2v.causal import (FRAMES_PER_BLOCK, RING_FRAMES, SINK_OFFSET_RANGE, CausalCaches,
                                                 block_inputs, euler_step, prefill_sink)
-from avatar_cli.families.wan_s2v.family import (LEAD, NATIVE_FPS, WanS2VFamily, _cache_from, _cache_to,
+from avatar_cli.families.wan_s2v.family import (LEAD, NATIVE_FPS, QUANTIZED, WanS2VFamily, _cache_from, _cache_to,
                                                 size_less_than_area)
 from avatar_cli.families.wan_s2v.live_parallel import SequenceParallelStream
 from avatar_cli.families.wan_s2v.model_dir import WanS2VConfig
@@ -121,7 +121,7 @@ class LiveAvatarFamily(WanS2VFamily):
         # clip mode (its forward is whole). The timestep pipeline places nothing across ranks (pipeline/steps.py).
         heads = self.config.dit.num_heads if self.config is not None else 1
         return ParallelPlan(sharded=("text",), sequence_parallel="dit", sp_wrap=StreamingSequenceParallel,
-                            sp_heads=heads, float32=("vae", "audio"))
+                            sp_heads=heads, float32=("vae", "audio"), quantized=QUANTIZED)
 
     def job_defaults(self) -> dict[str, Any]:
         return {"video.fps": NATIVE_FPS, "sampling.steps": 4, "sampling.guidance": 1.0, "sampling.shift": 3.0,
