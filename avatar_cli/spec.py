@@ -82,6 +82,12 @@ class DType(str, Enum):
     float16 = "float16"
 
 
+class Weights(str, Enum):
+    bf16 = "bf16"
+    fp8 = "fp8"
+    int8 = "int8"
+
+
 @dataclass
 class VideoSpec:
     fps: float = 25.0
@@ -127,6 +133,10 @@ class RuntimeSpec:
     offload: Offload = Offload.auto  # GPU: where idle models wait (auto decides from free GPU memory)
     reshard: Reshard = Reshard.per_block  # several GPUs: FSDP2 reshards after each block, or after each stage
     shard: Shard = Shard.auto  # several GPUs: shard the big models (FSDP2) or replicate them; auto: from memory
+    # The big models' weights in memory: bf16 = in the runtime dtype (`dtype`), as loaded; fp8 | int8 = the Linears of
+    # their transformer blocks quantized at load, weight-only (1 byte a parameter plus a scale per output channel,
+    # dequantized layer by layer in the forward; torchao): about half the memory. runtime/quantize.py.
+    weights: Weights = Weights.bf16
     text_cache: str = "auto"  # prompt encodings: auto (user cache folder) | off | a folder (avatar_cli/prompts/)
     # Several ranks: how they split the work. sequence: every rank works on every chunk (Ulysses over heads);
     # steps: the timestep pipeline of the wan-s2v streaming mode (rank 0 decodes, rank i runs denoising step i);

@@ -25,6 +25,8 @@ def spec_digest(job: Job) -> str:
         spec.pop("mode")
     if spec["runtime"].get("shard") == "auto":  # the default, as for mode
         spec["runtime"].pop("shard")
+    if spec["runtime"].get("weights") == "bf16":  # the default, as for mode; fp8 and int8 change the frames
+        spec["runtime"].pop("weights")
     # Where prompt encodings come from, how ranks split the work and which process decodes change no frame.
     for key in ("text_cache", "text_service", "parallel", "decode"):
         spec["runtime"].pop(key)

@@ -28,6 +28,8 @@ from typing import Any, Literal, Protocol
 import torch
 from torch import nn
 
+from avatar_cli.runtime.quantize import is_quantized, stored_bytes
+
 log = logging.getLogger(__name__)
 ALIGN = 256  # bytes; keeps every view aligned for any dtype and for vectorized copies
 
@@ -181,7 +183,36 @@ def _dense(t: torch.Tensor) -> bool:
     return t.numel() == 0 or (min(t.stride(), default=1) >= 0 and span == t.numel())
 
 
+class _Inner:
+    """One plain tensor inside a quantized weight (runtime/quantize.py: torchao's quantized data, its scales),
+    packed and swapped like a parameter: `data` reads and sets that attribute of the weight."""
+
+    def __init__(self, owner: torch.Tensor, attr: str):
+        self.owner, self.attr = owner, attr
+
+    @property
+    def data(self) -> torch.Tensor:
+        return getattr(self.owner, self.attr)
+
+    @data.setter
+    def data(self, v: torch.Tensor) -> None:
+        setattr(self.owner, self.attr, v)
+
+    def __getattr__(self, name: str):  # nbytes, dtype, shape, stride: the inner tensor's
+        return getattr(self.data, name)
+
+
+def _leaves(params: list[nn.Parameter]) -> list:
+    """The plain tensors to pack: a parameter itself, or a quantized weight's inner tensors."""
+    out = []
+    for p in params:
+        inner = p.__tensor_flatten__()[0] if is_quantized(p) else None
+        out += [_Inner(p, a) for a in inner] if inner else [p]
+    return out
+
+
 def _pack(label: str, params: list[nn.Parameter], transfer: Transfer) -> _Group:
+    params = _leaves(params)
     offsets, n = [], 0
     for p in params:
         if not _dense(p.data):
@@ -390,7 +421,7 @@ class ModelOffloader(_Stage):
 
 
 def model_bytes(model: nn.Module) -> int:
-    return sum(p.nbytes for p in model.parameters())
+    return sum(stored_bytes(p) for p in model.parameters())  # a quantized weight: its data and scales
 
 
 def choose_offload(policy: OffloadPolicy, free_bytes: int, model_sizes: dict[str, int],

@@ -13,6 +13,11 @@
 - Lazy modules (`lazy_module`: still on the meta device) are read from their files where they run: whole onto
   the device (or host, when offloaded); a sharded one is sharded on meta first, then each rank reads only
   its shards' rows, so no rank ever holds the whole checkpoint.
+- `runtime.weights: fp8 | int8`: the components the family lists (ParallelPlan.quantized) are read whole into
+  host memory in the runtime dtype, get their after-load step (a LoRA merge, into the float weights), and have
+  their block Linears quantized (runtime/quantize.py) before anything else happens to them: offload packs the
+  quantized bytes, and only those reach the device. FSDP2 cannot shard torchao's quantized tensors, so under
+  several ranks a quantized component is replicated (at half its bf16 size) and `runtime.shard: shard` refuses it.
 
 The device behind offload is a `Transfer` plus the free memory it reports; tests pass a `HostTransfer`,
 so the whole placement runs on the CPU with the CPU standing in for the GPU.
@@ -34,6 +39,7 @@ from avatar_cli.runtime.frame_parallel import FrameParallel
 from avatar_cli.runtime.offload import (BlockOffloader, CudaTransfer, ModelOffloader, Transfer, choose_offload,
                                         model_bytes)
 from avatar_cli.runtime.parallelize import gpu_param_dtype, parallelize_model, prefetch_stage, reshard_stage
+from avatar_cli.runtime.quantize import check_weights, quantize_linears
 from avatar_cli.runtime.sharding import choose_sharding
 from avatar_cli.families.base import ParallelPlan, check_degree
 
@@ -100,15 +106,17 @@ def plan_for(plan: ParallelPlan, names: Collection[str]) -> ParallelPlan:
 
 def place(modules: Mapping[str, Module], runtime: Runtime, dist: Dist, offload: str = "auto",
           reshard: str = "per_block", working_bytes: int = 2 << 30, transfer: Transfer | None = None,
-          free_bytes: int | None = None, plan: ParallelPlan | None = None, shard: str = "auto") -> Placement:
+          free_bytes: int | None = None, plan: ParallelPlan | None = None, shard: str = "auto",
+          weights: str = "bf16") -> Placement:
     """Put each model where it runs, shard and offload as configured; returns what the stages enter.
 
     shard: auto | shard | replicate, for the plan's shardable models on several ranks (runtime/sharding.py):
     auto replicates those whose replicas fit the device's free memory (no all-gather per forward) and shards
     the rest; on a CPU, whose free memory is not known, it shards.
 
-    plan: the family's ParallelPlan (which components to shard, split by frames, run sequence parallel);
+    plan: the family's ParallelPlan (which components to shard, split by frames, run sequence parallel, quantize);
     needed when `dist` has several ranks.
+    weights: `runtime.weights`, bf16 | fp8 | int8: fp8 and int8 quantize the plan's `quantized` Linears first.
     transfer, free_bytes: the device behind offload; by default CUDA's (a side copy stream, and
     `mem_get_info`). Without a transfer on a CPU run nothing is offloaded.
     """
@@ -120,9 +128,10 @@ def place(modules: Mapping[str, Module], runtime: Runtime, dist: Dist, offload: 
     for name, module in modules.items():
         if module.is_lazy:  # on meta this costs nothing, and the sizes the offload choice reads come out right
             module.model.to(dtype=_dtype(name, runtime, plan))
+    quantized = _quantize(modules, runtime, plan, weights)
     if dist.enabled:
         return _place_sharded(modules, runtime, dist, offload, reshard, working_bytes, transfer, free_bytes, plan,
-                              shard)
+                              shard, quantized)
     if transfer is None:
         for name, module in modules.items():
             module.to(runtime.device, _dtype(name, runtime, plan))
@@ -136,6 +145,25 @@ def place(modules: Mapping[str, Module], runtime: Runtime, dist: Dist, offload: 
     return placement
 
 
+def _quantize(modules: Mapping[str, Module], runtime: Runtime, plan: ParallelPlan, weights: str) -> tuple[str, ...]:
+    """Quantize the plan's `quantized` components in host memory (read whole in the runtime dtype, after-load step
+    first); returns their names. bf16: nothing."""
+    check_weights(weights)
+    if weights == "bf16":
+        return ()
+    done = []
+    for name, module in modules.items():
+        paths = plan.quantized_paths(name)
+        if paths is None:
+            continue
+        module.to("cpu", _dtype(name, runtime, plan))
+        _after_load(module)  # a LoRA merges into the float weights, before they are rounded to 1 byte
+        n = quantize_linears(module.model, weights, paths)
+        log.info("weights: %s: %d Linears quantized to %s", name, n, weights)
+        done.append(name)
+    return tuple(done)
+
+
 def _dtype(name: str, runtime: Runtime, plan: ParallelPlan) -> torch.dtype:
     """The runtime's dtype, except for the components the family keeps in float32."""
     return torch.float32 if name in plan.float32 else runtime.dtype
@@ -143,16 +171,25 @@ def _dtype(name: str, runtime: Runtime, plan: ParallelPlan) -> torch.dtype:
 
 def _place_sharded(modules: Mapping[str, Module], runtime: Runtime, dist: Dist, offload: str, reshard: str,
                    working_bytes: int, transfer: Transfer | None, free_bytes: int | None,
-                   plan: ParallelPlan, shard: str = "auto") -> Placement:
-    """FSDP2 for the transformers, sequence parallel for the DiT; offload (if chosen) from the outside of both."""
+                   plan: ParallelPlan, shard: str = "auto", quantized: tuple[str, ...] = ()) -> Placement:
+    """FSDP2 for the transformers, sequence parallel for the DiT; offload (if chosen) from the outside of both.
+    quantized: components whose weights are quantized, which FSDP2 cannot shard: replicated."""
     try:
         check_degree(plan.sp_heads, dist.world_size)
     except ValueError as e:
         raise InputError(str(e)) from None  # a choice of rank count, not a render failure: exit 2
+    unshardable = [n for n in plan.sharded if n in quantized]
+    if unshardable and shard == "shard":
+        raise InputError(f"runtime.shard: shard with runtime.weights quantized: FSDP2 cannot shard the quantized "
+                         f"weights of {', '.join(unshardable)}; use runtime.shard: auto or replicate, or "
+                         "runtime.weights: bf16")
+    if unshardable:
+        log.info("placement: %s replicated (quantized weights are not sharded)", ", ".join(unshardable))
     full = {name: model_bytes(m.model) for name, m in modules.items()}
-    shard_choice = choose_sharding(plan.sharded, full, dist.world_size, free_bytes, working_bytes, shard)
+    candidates = tuple(n for n in plan.sharded if n not in quantized)
+    shard_choice = choose_sharding(candidates, full, dist.world_size, free_bytes, working_bytes, shard)
     SHARDED = shard_choice.sharded
-    if set(plan.sharded) - set(SHARDED):
+    if set(candidates) - set(SHARDED):
         log.info("placement: %s", shard_choice.reason)
     choice = "none"
     if transfer is not None:

@@ -51,7 +51,7 @@ class MiniFamily(Family):
         return ParallelPlan(sharded=("dit", "text"), frame_parallel=("sr",), sequence_parallel="dit",
                             sp_wrap=SequenceParallelDiT, sp_heads=self.config.dit.heads,
                             # runtime.weights: the blocks' attention and MLP (not their modulation `ada`)
-                            quantized=(("dit", ("blocks.*.attn", "blocks.*.mlp")), ("text", ("blocks",))))
+                            quantized=(("dit", ("blocks.*.attn", "blocks.*.mlp")),))
 
     def latent_shape(self) -> tuple[int, int, int]:
         d = self.config.dit

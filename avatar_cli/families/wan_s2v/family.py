@@ -56,10 +56,11 @@ STRIDE = 16  # a size must be a multiple of VAE stride 8 x patch 2
 MIN_SIDE = 64  # FramePack's 4x motion tokens pool 8 x 8 latents
 PUT_LATENTS = 2  # latents decoded per hand-off to the encoder: 8 frames, a quick first frame
 # What `runtime.weights: fp8 | int8` quantizes (runtime/quantize.py): the Linears of the DiT's 40 blocks and of its 12
-# audio injectors' cross-attentions (15.3 of its 16.3 B parameters), and of umT5's 24 layers (4.6 of 5.7 B). Left in
-# the runtime dtype: the embeddings, the time embedding and projection, the head and the audio encoder (the
-# official fp32 islands), the injectors' AdaIN Linears (they scale and shift whole frames of tokens), the norms.
-QUANTIZED = (("dit", ("blocks", "audio_injector.injector")), ("text", ("blocks",)))
+# audio injectors' cross-attentions (15.3 of its 16.3 B parameters). Left in the runtime dtype: the embeddings, the
+# time embedding and projection, the head and the audio encoder (the official fp32 islands), the injectors' AdaIN
+# Linears (they scale and shift whole frames of tokens), the norms. umT5 is not quantized: its encodings are cached
+# and served (text cache, text service) under its dtype alone, and a render whose prompt is cached never loads it.
+QUANTIZED = (("dit", ("blocks", "audio_injector.injector")),)
 
 
 def size_less_than_area(h: int, w: int, target_area: int, divisor: int = SIZE_DIVISOR) -> tuple[int, int]:

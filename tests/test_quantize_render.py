@@ -1,0 +1,191 @@
+"""runtime.weights: fp8 | int8 on the tiny wan-s2v model: the DiT forward against the official goldens, renders in
+the clip and the streaming mode against the unquantized render, the LoRA merged before quantizing, offload of the
+quantized weights, and the refusals."""
+
+import copy
+import io
+from pathlib import Path
+
+import av
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from avatar_cli.families import registry
+from avatar_cli.families.wan_s2v.dit import WanDiTParams, WanS2VDiT
+from avatar_cli.families.wan_s2v.family import QUANTIZED, WanS2VFamily
+from avatar_cli.families.wan_s2v.live import LiveAvatarFamily
+from avatar_cli.runtime.quantize import is_quantized, quantize_linears
+from tests.conftest import write_reference, write_wav
+from tests.test_wan_dit import CASES, run
+
+GOLDEN = Path(__file__).parent / "golden" / "wan_s2v"
+PATHS = dict(QUANTIZED)["dit"]
+
+
+def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+@pytest.fixture(scope="module")
+def golden_dit() -> tuple[WanS2VDiT, dict]:
+    m = WanS2VDiT(WanDiTParams.tiny()).eval()
+    m.load_state_dict(load_file(GOLDEN / "dit_tiny_weights.safetensors"), strict=True)
+    return m, load_file(GOLDEN / "dit_cases.safetensors")
+
+
+# The official WanModel_S2V's outputs on the golden tiny weights (tests/golden/make_wan_goldens.py), float32.
+# Measured relative L2 error of the quantized forward, over cases a, b and c: int8 2.4e-3 .. 2.6e-3, fp8 1.6e-2 ..
+# 1.7e-2 (bf16 weights and activations, for scale: 4.5e-3 .. 4.6e-3). int8 keeps 8 bits of each channel's range,
+# fp8 (e4m3) 3 bits of mantissa: ~2^-8 vs ~2^-4 relative error per weight, averaged down over each dot product. The
+# bounds are twice the measurement: a wrong scale, a transposed channel or a layer left out would be off by far more.
+BOUNDS = {"int8": 5e-3, "fp8": 3.5e-2}
+
+
+@pytest.mark.parametrize("weights", ["int8", "fp8"])
+def test_dit_forward_against_the_official_golden(golden_dit, weights):
+    base, cases = golden_dit
+    m = copy.deepcopy(base)
+    assert quantize_linears(m, weights, PATHS) == 3 * 10 + 2 * 4
+    for key in [k for k, (_, variant) in CASES.items() if not variant]:
+        err = rel_l2(run(m, cases, key), cases[f"{key}.out"])
+        assert BOUNDS[weights] / 4 < err < BOUNDS[weights], (key, err)
+
+
+# --- renders -------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("quant")
+    wan = root / "Wan2.2-S2V-tiny"
+    registry.init_family_dir(wan, "tiny", seed=0, family="wan-s2v")
+    write_reference(root / "ref.png")
+    write_wav(root / "speech.wav", 2.0)
+    (root / "job.yaml").write_text(
+        f"reference: ref.png\naudio: speech.wav\noutput: out/video.mp4\nmodel: {wan}\nprompt: a person talking\n"
+        "seed: 3\nvideo: {width: 64, height: 64, crf: 0}\nsampling: {steps: 4}\n"
+        "runtime: {dtype: float32, text_cache: off, threads: 1, decode: inline}\n")
+    return root
+
+
+def render_frames(job: Path, family_class: type, weights: str) -> np.ndarray:
+    """One render in this process with `runtime.weights` = weights -> its frames (lossless video), as 0..255 floats."""
+    from avatar_cli.report import JsonReporter
+    from avatar_cli.runner import prepare, render
+    from avatar_cli.spec import load_job
+    from tests.test_wan_live import family_of
+
+    out = job.parent / f"{family_class.__name__}-{weights}.mp4"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(registry.ModelSource, "config_family", family_of(family_class))
+        p = prepare(load_job(job, [f"runtime.weights={weights}", f"output={out}"]), force=True)
+        done = render(p, JsonReporter(io.StringIO()))
+    assert done["frames"] == 32
+    with av.open(str(out)) as c:
+        return np.stack([f.to_ndarray(format="rgb24") for f in c.decode(video=0)]).astype(np.float32)
+
+
+# Against the unquantized (float32) render of the same job, in 8-bit levels, measured on this 2 s, 4-step job:
+# clip mode int8 mean |diff| 0.37 (max 6), fp8 1.13 (max 15); streaming mode int8 0.18 (max 5), fp8 0.52 (max 8).
+# The error of each forward (above) compounds over the sampler's steps and the clips. Bounds: about twice the
+# measurement, and a floor showing the quantized weights were used at all.
+FRAME_BOUNDS = {"int8": (0.05, 0.8, 16), "fp8": (0.2, 2.5, 32)}
+
+
+@pytest.mark.parametrize("family_class", [WanS2VFamily, LiveAvatarFamily], ids=["clip", "streaming"])
+def test_quantized_renders_against_unquantized(tiny, family_class):
+    job = tiny / "job.yaml"
+    ref = render_frames(job, family_class, "bf16")
+    for weights, (floor, mean_bound, max_bound) in FRAME_BOUNDS.items():
+        diff = np.abs(render_frames(job, family_class, weights) - ref)
+        assert floor < diff.mean() < mean_bound and diff.max() <= max_bound, (weights, diff.mean(), diff.max())
+
+
+# --- placement: LoRA first, offload of the quantized bytes, the meta count, the refusals ---------------------------
+
+def placed_dit(model_dir: Path, weights: str, lora: Path | None = None, **offload):
+    from avatar_cli.families.base import ParallelPlan
+    from avatar_cli.families.registry import load_modules, resolve_model, with_lora
+    from avatar_cli.runtime.device import Runtime
+    from avatar_cli.runtime.distributed import Dist
+    from avatar_cli.runtime.placement import place
+    from tests.test_wan_lora_render import RANK, SCALE
+
+    source = resolve_model(str(model_dir), model_dir.parent)
+    if lora is not None:
+        source = with_lora(source, lora, RANK, SCALE)
+    modules = {"dit": load_modules(source)["dit"]}
+    placement = place(modules, Runtime(torch.device("cpu"), torch.float32), Dist(), plan=ParallelPlan(
+        quantized=QUANTIZED), weights=weights, **offload)
+    return modules["dit"], placement
+
+
+def quantized_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every plain tensor of the model: a quantized weight's data and scales under their own names."""
+    out = {}
+    for name, t in model.state_dict().items():
+        out.update({f"{name}.{a}": getattr(t, a) for a in t.__tensor_flatten__()[0]} if is_quantized(t) else {name: t})
+    return out
+
+
+def test_lora_is_merged_before_quantizing(tiny):
+    """The quantized weights of base + LoRA are those of the pre-merged file quantized, bit for bit."""
+    from tests.test_wan_lora_render import lora_factors, write_premerged
+
+    lora = tiny / "lora.safetensors"
+    save_file(lora_factors(), str(lora))
+    write_premerged(tiny / "Wan2.2-S2V-tiny", lora, tiny / "premerged")
+    merged, _ = placed_dit(tiny / "Wan2.2-S2V-tiny", "int8", lora)
+    assert merged.after_load is None and is_quantized(merged.model.blocks[0].ffn[0].weight)
+    want = quantized_state(placed_dit(tiny / "premerged", "int8")[0].model)
+    got = quantized_state(merged.model)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    plain = quantized_state(placed_dit(tiny / "Wan2.2-S2V-tiny", "int8")[0].model)
+    assert not torch.equal(plain["blocks.0.ffn.0.weight.qdata"], got["blocks.0.ffn.0.weight.qdata"])
+
+
+@pytest.mark.parametrize("offload", ["model", "block"])
+def test_offload_streams_the_quantized_bytes(tiny, golden_dit, offload):
+    """Offload packs what quantization left (1-byte data and scales): the forward equals the resident model's, and
+    the bytes it moves are the meta-device count's."""
+    from avatar_cli.modules.module import build_meta
+    from avatar_cli.runtime.offload import HostTransfer, model_bytes
+    from avatar_cli.runtime.quantize import quantized_bytes
+
+    _, cases = golden_dit
+    resident, _ = placed_dit(tiny / "Wan2.2-S2V-tiny", "fp8")
+    moved, placement = placed_dit(tiny / "Wan2.2-S2V-tiny", "fp8", transfer=HostTransfer(), free_bytes=1,
+                                  offload=offload)
+    offloader = placement.offloaders["dit"]
+    with offloader.stage():
+        out = run(moved.model, cases, "b")
+    torch.testing.assert_close(out, run(resident.model, cases, "b"), rtol=0, atol=0)
+    meta = quantized_bytes(build_meta(WanS2VDiT, WanDiTParams.tiny()), "fp8", PATHS, torch.float32)
+    assert model_bytes(moved.model) == model_bytes(resident.model) == meta
+    assert meta < quantized_bytes(build_meta(WanS2VDiT, WanDiTParams.tiny()), "bf16", PATHS, torch.float32)
+
+
+def test_quantized_components_are_not_sharded(tiny):
+    """FSDP2 cannot shard torchao's tensors: runtime.shard: shard with quantized weights is a spec error (exit 2)."""
+    from types import SimpleNamespace
+
+    from avatar_cli.errors import InputError
+    from avatar_cli.families.base import ParallelPlan
+    from avatar_cli.families.registry import load_modules, resolve_model
+    from avatar_cli.runtime.device import Runtime
+    from avatar_cli.runtime.placement import place
+
+    source = resolve_model(str(tiny / "Wan2.2-S2V-tiny"), tiny)
+    modules = {"dit": load_modules(source)["dit"]}
+    two = SimpleNamespace(enabled=True, world_size=2)
+    plan = ParallelPlan(sharded=("dit",), sp_heads=2, quantized=QUANTIZED)
+    with pytest.raises(InputError, match="cannot shard the quantized weights of dit"):
+        place(modules, Runtime(torch.device("cpu"), torch.float32), two, plan=plan, shard="shard", weights="int8")
+
+
+def test_bad_weights_value_is_a_spec_error(tiny):
+    from tests.conftest import avatar
+
+    r = avatar("validate", str(tiny / "job.yaml"), "runtime.weights=int4")
+    assert r.returncode == 2 and "runtime.weights" in r.stderr and "Traceback" not in r.stderr, r.stderr
