@@ -23,6 +23,10 @@ Sections (--sections, comma-separated; the default runs the first four):
   decode            runtime.decode worker vs inline: the sample job (mini) at 512x512 and a 30 s clip, 2 renders
                     of each mode alternating: generate s, rtf, TTFF, the decode's seconds and the render process's
                     wait on the worker's queue, peak GPU memory, the worker's peak RSS, and whether the frames match;
+  weights           runtime.weights at full size with random weights: the DiT forward of the wan section's clip with
+                    its block Linears in bf16, int8 and fp8 (torchao weight-only, as a render quantizes them): the
+                    weights' GPU memory, the forward's median time (of 3, CUDA events) and its error against the
+                    bf16 forward (relative L2 and max |diff| of the velocity). Needs about 45 GB of GPU memory;
   live              bench/live_gpu.py: the wan-s2v streaming mode's block forward at 704x384, its fps and TTFF;
   live_session      a live session of the sample job on this device (bench/live_latency.py): a WAV on stdin at the
                     speaker's pace, `-o -`: first frame out, latency median and 95th percentile, stalls.
@@ -58,6 +62,8 @@ from avatar_cli.modules.module import random_module  # noqa: E402
 from avatar_cli.runtime.offload import BlockOffloader, ModelOffloader, make_transfer  # noqa: E402
 from avatar_cli.families.wan_s2v.dit import WanDiTParams, WanS2VDiT  # noqa: E402
 from avatar_cli.families.wan_s2v.vae import WanVAE, WanVAEParams  # noqa: E402
+from avatar_cli.families.wan_s2v.family import QUANTIZED  # noqa: E402
+from avatar_cli.runtime.quantize import quantize_linears, quantized_bytes  # noqa: E402
 import wan_budget as wb  # noqa: E402  (bench/: the Wan shapes and meta counting shared with the budget)
 import live_gpu  # noqa: E402  (bench/: the streaming mode's section)
 import live_latency  # noqa: E402  (bench/: the live session's section)
@@ -477,6 +483,45 @@ def wan_measure() -> None:
                           f"bf16 {RESULTS['wan vae decode bf16: ms_median'] / 1e3:.2f} s")
 
 
+@torch.no_grad()
+def weights() -> None:
+    """runtime.weights: the wan DiT forward with bf16, int8 and fp8 block Linears, speed and error against bf16."""
+    p, clip = (WanDiTParams.tiny(), wb.CLIP_TINY) if SMOKE else (WanDiTParams.full(), wb.CLIP_480P)
+    dtype = torch.bfloat16 if DEV.type == "cuda" else torch.float32  # bf16 on the CPU is emulated and slow
+    paths = dict(QUANTIZED)["dit"]
+    inputs = wb.dit_inputs(p, clip, DEV, generator=torch.Generator(device=DEV).manual_seed(1))
+    ref = None
+    for fmt in ("bf16", "int8", "fp8"):
+        # The same random weights for each format (one seed), quantized where they are, as placement does on the host.
+        model = wb.random_init(wb.on_meta(WanS2VDiT, p, dtype), DEV, seed=0)
+        quantize_linears(model, fmt, paths)
+        if DEV.type == "cuda":
+            torch.cuda.empty_cache()
+        weights_gb = gb_allocated()
+        v = model(**inputs)  # warm-up; (16, F, h, w) fp32
+        times = []
+        for _ in range(size(3, 2)):
+            e0 = mark()
+            v = model(**inputs)
+            times.append(ms_between(e0, mark()))
+        if ref is None:
+            ref = v
+        counted = quantized_bytes(wb.on_meta(WanS2VDiT, p, dtype), fmt, paths)
+        measure(f"wan weights {fmt}", ms_median=round(median(times), 2), ms_all=[round(x, 2) for x in times],
+                weights_gb=round(weights_gb, 2), counted_bytes=counted,
+                rel_l2_vs_bf16=float(f"{((v - ref).norm() / ref.norm()).item():.3g}"),
+                max_abs_vs_bf16=float(f"{(v - ref).abs().max().item():.3g}"),
+                speed_vs_bf16=round(RESULTS.get("wan weights bf16: ms_median", median(times)) / median(times), 3),
+                output_finite=bool(torch.isfinite(v).all()))
+        del model, v
+        if DEV.type == "cuda":
+            torch.cuda.empty_cache()
+    report("weights summary", ", ".join(
+        f"{f} {RESULTS[f'wan weights {f}: ms_median'] / 1e3:.2f} s/forward, {RESULTS[f'wan weights {f}: weights_gb']} GB"
+        + (f", rel L2 {RESULTS[f'wan weights {f}: rel_l2_vs_bf16']}" if f != "bf16" else "")
+        for f in ("bf16", "int8", "fp8")))
+
+
 def markdown(command: str) -> str:
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     cell = lambda x: str(x).replace("|", "\\|")  # noqa: E731  ("max |diff|" must not split a row)
@@ -487,7 +532,7 @@ def markdown(command: str) -> str:
 
 
 DEFAULT_SECTIONS = ("handoff", "offload_overhead", "encode_fps", "renders")
-ALL_SECTIONS = (*DEFAULT_SECTIONS, "wan", "decode", "live", "live_session")
+ALL_SECTIONS = (*DEFAULT_SECTIONS, "wan", "weights", "decode", "live", "live_session")
 
 
 def main() -> int:
@@ -513,7 +558,7 @@ def main() -> int:
     report("GPU", torch.cuda.get_device_name(DEV) if DEV.type == "cuda" else "none (smoke run on the CPU)")
     report("torch", torch.__version__)
     sections = {"handoff": handoff, "offload_overhead": offload_overhead, "encode_fps": encode_fps,
-                "renders": lambda: renders(args.long_s, deadline), "wan": wan, "decode": decode,
+                "renders": lambda: renders(args.long_s, deadline), "wan": wan, "weights": weights, "decode": decode,
                 "live": lambda: live_gpu.live(sys.modules[__name__]), "live_session": live_session}
     for name in chosen:
         section = sections[name]
