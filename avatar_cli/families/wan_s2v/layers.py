@@ -20,10 +20,22 @@ AttentionOp = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 WAV2VEC_LAYERS = 25  # the official CausalAudioEncoder fixes num_layers=25 (embedding output + 24 layers)
 
 
+F32_BLOCK_BYTES = 32 << 20  # the most fp32 weight a fp32 island upcasts at once
+
+
 def linear_f32(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """A Linear in fp32 whatever its weight dtype: the official fp32 autocast islands."""
-    bias = None if layer.bias is None else layer.bias.float()
-    return F.linear(x.float(), layer.weight.float(), bias)
+    """A Linear in fp32 whatever its weight dtype: the official fp32 autocast islands.
+
+    A low-precision weight is upcast F32_BLOCK_BYTES of output rows at a time, not whole: the time projection's
+    (5120 -> 30720 at 14B) would otherwise be a 629 MB fp32 copy on every forward. Each output is the same dot
+    product over the same inputs either way; the inputs these islands get are a few rows (the timesteps)."""
+    w, x = layer.weight, x.float()
+    if w.dtype == torch.float32:
+        return F.linear(x, w, layer.bias)
+    rows = max(1, F32_BLOCK_BYTES // (4 * w.shape[1]))
+    bias = layer.bias
+    return torch.cat([F.linear(x, w[r:r + rows].float(), None if bias is None else bias[r:r + rows].float())
+                      for r in range(0, w.shape[0], rows)], dim=-1)  # (..., out)
 
 
 def sequential_f32(seq: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
