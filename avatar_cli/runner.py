@@ -136,7 +136,7 @@ class ModelCache:
         """skip: components this job does not need loaded (its prompt is in the text cache). A set that lacks
         what a later job needs gets just those loaded and placed beside it."""
         key = (source.fingerprint, str(runtime.device), str(runtime.dtype), rt_spec.offload.value,
-               rt_spec.reshard.value, rt_spec.shard.value, rt_spec.weights.value)
+               rt_spec.reshard.value, rt_spec.shard.value, rt_spec.weights.value, rt_spec.vae_dtype.value)
         if key not in self.loaded:
             if not source.trained:
                 reporter.info(f"note: model '{source.name}' has no trained weights yet: a seeded random init stands "
@@ -149,7 +149,8 @@ class ModelCache:
             unwanted = [n for n in source.family.components if n not in wanted]
             more = load_modules(source, skip=unwanted) if unwanted else load_modules(source)
             added = place(more, runtime, dist, rt_spec.offload.value, rt_spec.reshard.value, transfer=self.transfer,
-                          free_bytes=self.free_bytes, plan=plan_for(source.family.parallel, more),
+                          free_bytes=self.free_bytes,
+                          plan=plan_for(source.family.parallel.with_dtype("vae", rt_spec.vae_dtype.value), more),
                           shard=rt_spec.shard.value, weights=rt_spec.weights.value)
             if modules:  # beside a placed set: the stages look each component up by name in either
                 placement.offloaders.update(added.offloaders)
@@ -316,6 +317,8 @@ def _render_locked(p: ResolvedJob, reporter: Reporter, models: ModelCache | None
                         steps_dist=dist if steps else None, absent=absent)
     image = p.model.family.fit_reference(p.image, *p.gen_size)  # (3, H, W) in [-1, 1]
     chunks = pipeline.schedule(spec, frames)
+    # The blocks after which a resume point's state is copied where it is not at hand (pipeline/checkpoint.py).
+    copies = ckpt.resume_schedule(p.model.family.resume_bytes(p.gen_size, spec.sampling.steps))
 
     first_put = resume_from.state.published if resume_from else 0
     # Ranks other than 0 compute, but write nothing (and decode only what the family's later chunks need).
@@ -327,7 +330,8 @@ def _render_locked(p: ResolvedJob, reporter: Reporter, models: ModelCache | None
                     crf=spec.video.crf, preset=spec.video.preset, metadata={"comment": output_tag(fingerprint)},
                     resume_from=source, resume_frames=copy_to, first_put=first_put)
         if p.decode == Decode.worker:  # it decodes and owns the MP4 writer; its startup overlaps the first chunk
-            out = worker = DecodeWorker(p.model, runtime, dist.world_size, str(partial), args, p.size)
+            out = worker = DecodeWorker(p.model, runtime, dist.world_size, str(partial), args, p.size,
+                                        resume_at=copies, vae_dtype=spec.runtime.vae_dtype.value)
             reporter.info(f"decode: worker ({p.decode_why}), pid {worker.pid} on {worker.device}")
         else:
             out = pipeline.publish_to(Mp4Writer(partial, **args), p.size)
@@ -364,7 +368,7 @@ def _render_locked(p: ResolvedJob, reporter: Reporter, models: ModelCache | None
 
     try:
         t_render = time.perf_counter()
-        stats = pipeline.run(spec, image, reader, frames, out, on_chunk, on_stretch, resume_from)
+        stats = pipeline.run(spec, image, reader, frames, out, on_chunk, on_stretch, resume_from, copies=copies)
         if main:
             out.close()
         gen_s = time.perf_counter() - t_render

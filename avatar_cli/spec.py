@@ -82,6 +82,12 @@ class DType(str, Enum):
     float16 = "float16"
 
 
+class VaeDType(str, Enum):
+    auto = "auto"
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+
+
 class Weights(str, Enum):
     bf16 = "bf16"
     fp8 = "fp8"
@@ -137,6 +143,9 @@ class RuntimeSpec:
     # their transformer blocks quantized at load, weight-only (1 byte a parameter plus a scale per output channel,
     # dequantized layer by layer in the forward; torchao): about half the memory. runtime/quantize.py.
     weights: Weights = Weights.bf16
+    # The VAE (encode and decode): auto = the family's choice (wan-s2v: float32, as the official code; mini: the
+    # runtime dtype) | float32 | bfloat16: about half the decode's memory peak, its error in docs/wan-s2v.md.
+    vae_dtype: VaeDType = VaeDType.auto
     text_cache: str = "auto"  # prompt encodings: auto (user cache folder) | off | a folder (avatar_cli/prompts/)
     # Several ranks: how they split the work. sequence: every rank works on every chunk (Ulysses over heads);
     # steps: the timestep pipeline of the wan-s2v streaming mode (rank 0 decodes, rank i runs denoising step i);

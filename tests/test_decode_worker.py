@@ -176,3 +176,33 @@ def test_a_killed_render_takes_its_worker_with_it(job_dir: Path):
     size = partial.stat().st_size
     time.sleep(0.5)
     assert partial.stat().st_size == size  # nothing more written
+
+
+def test_only_scheduled_stretches_keep_a_snapshot_and_get_resume_points(long_job: Path, monkeypatch):
+    """With resume points allowed after every third block only (pipeline/checkpoint.py resume_schedule, as for a big
+    rolling state), the worker's render keeps no snapshot for the other stretches and writes its points only after
+    the scheduled blocks; its frames are the inline render's."""
+    inline = render(long_job, Notes(), "runtime.decode=inline", f"output={long_job.parent / 'inline.mp4'}")
+    monkeypatch.setattr(ckpt, "resume_schedule", lambda state_bytes: lambda block: (block + 1) % 3 == 0)
+    snapshots: list[tuple[int, int]] = []  # (block, tensors kept) per stretch handed over
+    submit = dw.DecodeWorker.submit
+
+    def counting(self, final, next_chunk, state):
+        done = submit(self, final, next_chunk, state)
+        snapshots.append((next_chunk - 1, len(self._sent[-1].tensors)))
+        return done
+
+    monkeypatch.setattr(dw.DecodeWorker, "submit", counting)
+    partial = long_job.parent / "out" / "video.partial.mp4"
+    points: set[int] = set()
+
+    class Points(Notes):
+        def chunk(self, **_) -> None:
+            saved = ckpt.load_checkpoint(partial)
+            points.update(pt.next_chunk for pt in (saved.points if saved else []))
+
+    done = render(long_job, Points(), "runtime.decode=worker")
+    assert done["frames_digest"] == inline["frames_digest"]
+    assert len(snapshots) > 6
+    assert all((kept > 0) == ((block + 1) % 3 == 0) for block, kept in snapshots), snapshots
+    assert points and all(n % 3 == 0 for n in points), points

@@ -23,3 +23,26 @@ def test_an_fp32_island_upcast_in_blocks_equals_the_whole_upcast(monkeypatch, dt
     torch.testing.assert_close(out, whole, rtol=1e-5, atol=1e-5)
     lin32 = nn.Linear(512, 30).float()  # an fp32 weight: used as it is
     assert torch.equal(layers.linear_f32(lin32, x), F.linear(x, lin32.weight, lin32.bias))
+
+
+def test_resume_copies_at_full_size_move_a_gib_a_block_and_one_snapshot_at_most():
+    """LiveAvatar at 704x384 (latent 48 x 88): its 4 rings are 41.5 GB. Copied after one block in 39 (both sides
+    know which: resume_schedule), the step ranks send the decode rank 1 GiB a block on average instead of 41.5 GB,
+    and of the DEPTH stretches a decode worker has in flight at most one keeps a snapshot."""
+    from types import SimpleNamespace
+
+    from avatar_cli.families.wan_s2v.dit import WanDiTParams
+    from avatar_cli.families.wan_s2v.live import LiveAvatarFamily
+    from avatar_cli.pipeline import checkpoint as ckpt
+    from avatar_cli.stages.decode_worker import DEPTH
+
+    family = LiveAvatarFamily(SimpleNamespace(dit=WanDiTParams.full()))
+    rings = family.resume_bytes((704, 384), steps=4)
+    assert rings == 4 * 40 * (12 * 48 * 88 // 4) * 5120 * 2 * 2  # steps x layers x ring tokens x dim x (k, v) x bf16
+    due = ckpt.resume_schedule(rings)
+    blocks = range(10_000)
+    copied = [b for b in blocks if due(b)]
+    assert copied[:2] == [38, 77]
+    assert rings * len(copied) / len(blocks) <= ckpt.POINT_BYTES_PER_BLOCK  # bytes moved per block, on average
+    assert max(sum(due(b) for b in range(g, g + DEPTH)) for g in blocks) == 1  # snapshots in flight
+    assert all(ckpt.resume_schedule(0)(b) for b in range(10))  # a small state: every block, as before

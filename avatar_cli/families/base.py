@@ -18,7 +18,7 @@ is its own business, and all of it is saved in resume checkpoints, so a resumed 
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any, ClassVar, Protocol
 
@@ -133,7 +133,16 @@ class ParallelPlan:
     sp_wrap: Callable[[nn.Module, Any], nn.Module] | None = None
     sp_heads: int = 1
     float32: tuple[str, ...] = ()
+    bfloat16: tuple[str, ...] = ()  # computed in bfloat16 whatever the runtime dtype (runtime.vae_dtype: bfloat16)
     quantized: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+    def with_dtype(self, component: str, setting: str) -> "ParallelPlan":
+        """This plan with `component` in float32 or bfloat16 (`runtime.vae_dtype`); auto: as the family chose."""
+        if setting == "auto":
+            return self
+        f32 = tuple(n for n in self.float32 if n != component) + ((component,) if setting == "float32" else ())
+        bf16 = tuple(n for n in self.bfloat16 if n != component) + ((component,) if setting == "bfloat16" else ())
+        return replace(self, float32=f32, bfloat16=bf16)
 
     def quantized_paths(self, component: str) -> tuple[str, ...] | None:
         """The paths quantized in `component`, None when the family keeps it whole."""
@@ -251,6 +260,12 @@ class Family(ABC):
     def audio_lookahead_s(self, models: Models) -> float:
         """How far past a frame's start its audio features read (a live session waits for that much more)."""
         return 0.0
+
+    def resume_bytes(self, size: tuple[int, int], steps: int) -> int:
+        """Bytes of the rolling state a resume point must copy from where it lives (the timestep pipeline's step
+        ranks, the render process under a decode worker) at frame size (width, height): pipeline/checkpoint.py's
+        `resume_schedule` spaces the copies by it. Small for most families."""
+        return 0
 
     def audio_lookbehind_s(self, models: Models) -> float:
         """How far before a chunk's first frame its audio features read (what a live session's rank 0 sends the

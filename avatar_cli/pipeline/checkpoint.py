@@ -19,6 +19,14 @@ frames), so a point that took over QUICK_S to write is followed by the next only
 most BUDGET of the render's time since the first; and beyond the newest 2, older points are kept only while all
 the kept ones fit in KEEP_BYTES. Fewer points change nothing in what a resume renders (the frames after any point
 are bit-identical to an uninterrupted render's); a crash just redoes more of them.
+
+Where a point's state must be copied before it can be written (the timestep pipeline's rings live on the step
+ranks; a decode worker acknowledges a stretch after the render process has moved on), the copy is made only after
+the blocks `resume_schedule` names: one block in every ceil(state bytes / POINT_BYTES_PER_BLOCK), a rule every
+process computes alike from the job, so the step ranks know when to send without being told. Small states (mini,
+the clip mode, tiny models): every block, as before. LiveAvatar at full size (41.5 GB of rings): one block in 39,
+so its rings cross to the decode rank at ~1 GiB per block on average instead of 41.5 GB, and a decode worker holds
+no snapshot for the 38 stretches in between.
 """
 
 import errno
@@ -93,6 +101,15 @@ class Checkpoint:
         if n > 0:
             self.chain = chain_digest(self.stretches[:n], self.chain)
             self.stretches, self.folded = self.stretches[n:], upto
+
+
+POINT_BYTES_PER_BLOCK = 1 << 30  # what copying states for resume points may cost per block, on average
+
+
+def resume_schedule(state_bytes: int) -> Callable[[int], bool]:
+    """block -> whether a resume point may follow it (module docstring): every block for a small state."""
+    every = max(1, -(-state_bytes // POINT_BYTES_PER_BLOCK))
+    return lambda block: (block + 1) % every == 0
 
 
 def chain_digest(stretches: list[list], chain: str = "") -> str:

@@ -27,6 +27,8 @@ def spec_digest(job: Job) -> str:
         spec["runtime"].pop("shard")
     if spec["runtime"].get("weights") == "bf16":  # the default, as for mode; fp8 and int8 change the frames
         spec["runtime"].pop("weights")
+    if spec["runtime"].get("vae_dtype") == "auto":  # the default, as for mode; another dtype changes the frames
+        spec["runtime"].pop("vae_dtype")
     # Where prompt encodings come from, how ranks split the work and which process decodes change no frame.
     for key in ("text_cache", "text_service", "parallel", "decode"):
         spec["runtime"].pop(key)

@@ -165,8 +165,8 @@ def _quantize(modules: Mapping[str, Module], runtime: Runtime, plan: ParallelPla
 
 
 def _dtype(name: str, runtime: Runtime, plan: ParallelPlan) -> torch.dtype:
-    """The runtime's dtype, except for the components the family keeps in float32."""
-    return torch.float32 if name in plan.float32 else runtime.dtype
+    """The runtime's dtype, except for the components the plan keeps in float32 or in bfloat16."""
+    return torch.float32 if name in plan.float32 else torch.bfloat16 if name in plan.bfloat16 else runtime.dtype
 
 
 def _place_sharded(modules: Mapping[str, Module], runtime: Runtime, dist: Dist, offload: str, reshard: str,

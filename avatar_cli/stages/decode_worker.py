@@ -11,7 +11,10 @@ tensors `family.is_decode_state` names) from stretch to stretch, decodes, writes
 as the inline decode does (media/sink.py HashingSink), and acknowledges each stretch with its digest and a snapshot
 of the decoder cache (in the slot's own shared-memory buffer). The render process saves a stretch's resume point only on its
 acknowledgment: its own rolling state as it was when it sent the stretch (kept until then: at most DEPTH snapshots),
-plus the worker's cache. The checkpoint is the inline one, so a render resumes in either mode.
+plus the worker's cache. The checkpoint is the inline one, so a render resumes in either mode. Snapshots are taken
+only for the stretches a resume point may follow (pipeline/checkpoint.py resume_schedule): every one for a small
+state, one block in 39 for the streaming mode's 41.5 GB of rings at full size, where two snapshots in flight would
+hold ~90 GB of host memory.
 
 Faults: a worker that dies is seen at the next stretch handed over (or while waiting on one) and stops the render
 with a RenderError naming it; an error inside the worker comes back as a RenderError naming it. The worker polls its
@@ -33,7 +36,7 @@ import signal
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,6 +147,7 @@ class _Sent:
     start: int
     end: int
     tensors: dict[str, torch.Tensor]  # the render process's own rolling tensors when it sent the stretch (CPU copies)
+    resumable: bool  # whether a resume point may follow it: only then are `tensors` copied
     held: list[tuple[int, int, torch.Tensor]]
     published: int
 
@@ -159,10 +163,14 @@ class DecodeWorker:
     needs: tuple[str, ...] = ()
 
     def __init__(self, source: Any, runtime: Runtime, world_size: int, writer_path: str, writer_args: dict,
-                 size: tuple[int, int], threads: int | None = None):
+                 size: tuple[int, int], threads: int | None = None,
+                 resume_at: Callable[[int], bool] = lambda block: True, vae_dtype: str = "auto"):
         """source: the job's ModelSource; writer_path, writer_args: Mp4Writer's arguments (the worker owns it);
         size: the output (width, height). threads: the worker's torch threads (default: the render process's, so
-        its CPU decode rounds as the inline one does)."""
+        its CPU decode rounds as the inline one does). resume_at(block): whether a resume point may follow the
+        stretch published after that block (pipeline/checkpoint.py resume_schedule): only those stretches keep a
+        snapshot of the rolling state while in flight. vae_dtype: `runtime.vae_dtype`."""
+        self.resume_at = resume_at
         self.family: Family = source.family
         self.device = worker_device(runtime, world_size)
         ctx = mp.get_context("spawn")  # never fork: the render process already runs torch's threads
@@ -183,7 +191,7 @@ class DecodeWorker:
         wrt = Runtime(self.device, runtime.dtype, runtime.dtype_reason)
         self._proc = ctx.Process(target=_worker_main, name="avatar-decode", daemon=True, args=(
             source, wrt, threads or torch.get_num_threads(), writer_path, writer_args, size, list(self._slots),
-            self._inbox, self._outbox, os.getpid()))
+            self._inbox, self._outbox, os.getpid(), vae_dtype))
         self._proc.start()
         self.pid = self._proc.pid
 
@@ -224,10 +232,13 @@ class DecodeWorker:
             self._slots[slot] = grown = _shared_buffer(need + need // 4)
         layout = pack(self._slots[slot], tensors)
         self._seq += 1
-        mine = {k: v.detach().to("cpu", copy=True) for k, v in state.tensors.items() if v is not None}
-        self._sent.append(_Sent(self._seq, slot, next_chunk, final.start, final.end, mine, list(state.held),
-                                state.published))
-        self._inbox.put(("stretch", self._seq, slot, layout, final.start, final.end, grown))
+        # A snapshot only where a resume point may follow: at full size the streaming mode's is ~44 GB.
+        resumable = self.resume_at(next_chunk - 1)
+        mine = {k: v.detach().to("cpu", copy=True) for k, v in state.tensors.items() if v is not None} \
+            if resumable else {}
+        self._sent.append(_Sent(self._seq, slot, next_chunk, final.start, final.end, mine, resumable,
+                                list(state.held), state.published))
+        self._inbox.put(("stretch", self._seq, slot, layout, final.start, final.end, grown, resumable))
         return done
 
     def drain(self) -> list[Stretch]:
@@ -348,7 +359,7 @@ class DecodeWorker:
         self.decode_s += decode_s
         # Saved before this slot is written again (the checkpoint is written from on_stretch, synchronously).
         state = RollingState(tensors={**sent.tensors, **cache}, held=sent.held, published=sent.published)
-        return Stretch(sent.next_chunk, sent.start, sent.end, digest, state)
+        return Stretch(sent.next_chunk, sent.start, sent.end, digest, state, sent.resumable)
 
 
 # --- the worker process -------------------------------------------------------------------------------------------
@@ -361,7 +372,8 @@ def _watch_parent(parent: int) -> None:
 
 
 def _worker_main(source: Any, runtime: Runtime, threads: int, writer_path: str, writer_args: dict,
-                 size: tuple[int, int], slots: list[torch.Tensor], inbox: Any, outbox: Any, parent: int) -> None:
+                 size: tuple[int, int], slots: list[torch.Tensor], inbox: Any, outbox: Any, parent: int,
+                 vae_dtype: str = "auto") -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)  # the render process decides when the worker stops (abort or close)
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True, name="parent-watch").start()
@@ -371,7 +383,8 @@ def _worker_main(source: Any, runtime: Runtime, threads: int, writer_path: str, 
         family: Family = source.family
         skip = [c for c in family.components if c not in family.needs["decode"]]
         modules = load_modules(source, skip=skip)
-        place(modules, runtime, Dist(), offload="none", plan=ParallelPlan(float32=family.parallel.float32))
+        plan = ParallelPlan(float32=family.parallel.float32, bfloat16=family.parallel.bfloat16)
+        place(modules, runtime, Dist(), offload="none", plan=plan.with_dtype("vae", vae_dtype))
         publish = DecodePublish(family, modules, runtime)
         writer = Mp4Writer(writer_path, **writer_args)
         outbox.put(("ready", os.getpid()))
@@ -405,7 +418,7 @@ def _serve(family: Family, publish: Any, runtime: Runtime, writer: Any, size: tu
             writer.abort()
             outbox.put(("aborted",))
             return
-        _, seq, slot, layout, start, end, grown = msg
+        _, seq, slot, layout, start, end, grown, resumable = msg
         if grown is not None:
             slots[slot] = grown
         # Copies out of the slot: the decoder may keep views of its input (mini's cache is its last latent), and
@@ -422,7 +435,7 @@ def _serve(family: Family, publish: Any, runtime: Runtime, writer: Any, size: tu
         if stray:
             raise RenderError(f"the {family.name} family's decode keeps '{stray[0]}' in the rolling state, which its "
                               "is_decode_state does not declare: the worker cannot carry it; use runtime.decode=inline")
-        cache = {k: v for k, v in state.tensors.items() if v is not None}
+        cache = {k: v for k, v in state.tensors.items() if v is not None} if resumable else {}
         need = _nbytes(cache)
         new = None
         if cache and (acks[slot] is None or acks[slot].numel() < need):

@@ -243,6 +243,14 @@ class LiveAvatarFamily(WanS2VFamily):
     step_pipeline = True
     sink_roll_block = 0  # rolled_sink_frame
 
+    def resume_bytes(self, size: tuple[int, int], steps: int) -> int:
+        """The per-step rings at this size (counted on meta), in the DiT's bf16: what a resume point copies."""
+        if self.config is None:
+            return 0
+        w, h = size
+        c = CausalCaches.empty(self.config.dit, h // 8, w // 8, steps=steps, dtype=torch.bfloat16, device="meta")
+        return 2 * c.k.numel() * c.k.element_size()  # k and v
+
     @staticmethod
     def step_state(state: RollingState, step: int) -> RollingState:
         """A step rank's state: its own ring out of a state that holds every step's (a resumed one), the sink and
