@@ -7,6 +7,7 @@ Each command imports what it runs inside its own function, for start-up time: `a
 answers without importing torch.
 """
 
+import logging
 import os
 import signal
 import sys
@@ -466,6 +467,9 @@ def _app(args: Optional[list[str]] = None) -> int:
 def main() -> None:
     global _process_ends_after_run
     _process_ends_after_run = True
+    # transformers imports torchao where it is installed (runtime.weights), and torchao's import makes torch log a
+    # deprecation of its own internals on every run: nothing a user can act on.
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:  # not a torchrun worker (checked without importing torch)
         sys.exit(_app())
     # A torchrun worker leaves without the interpreter's C++ teardown: after a run, gloo's threads can still
