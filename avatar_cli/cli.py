@@ -197,6 +197,35 @@ def validate(job: JobArg, overrides: OverridesArg = None, output: OutputOpt = No
     _run(action, json, debug)
 
 
+@app.command()
+def plan(job: JobArg, overrides: OverridesArg = None,
+         gpus: Annotated[str, typer.Option("--gpus", help="The GPUs: COUNTxSIZE, e.g. 1x24GB, 5x24GB, 8x80GB.")] = "1x80GB",
+         host_memory: Annotated[Optional[str], typer.Option("--host-memory", help="The host's memory, e.g. 32GB "
+                                                            "(chooses where offloaded blocks wait).")] = None,
+         model: Annotated[Optional[str], typer.Option("--model", help="Plan for this model instead of the job's: a "
+                                                      "directory, or a size without weights (wan-s2v-14b).")] = None,
+         util: Annotated[float, typer.Option("--util", help="Share of the card's bf16 peak the speed assumes.")] = 0.4,
+         tflops: Annotated[Optional[float], typer.Option("--tflops", help="The card's dense bf16 peak, TFLOP/s.")] = None,
+         link_gbs: Annotated[Optional[float], typer.Option("--link-gbs", help="GPU-to-GPU bandwidth, GB/s.")] = None,
+         json: JsonOpt = None, debug: DebugOpt = False) -> None:
+    """Print the layout a render of JOB would choose on these GPUs, the memory it needs and its expected speed,
+    without a GPU or weights (docs/plan.md)."""
+    def action(reporter):
+        from avatar_cli.plan import format_plan, machine, make_plan
+        from avatar_cli.report import JsonReporter
+        from avatar_cli.spec import load_job
+
+        m = machine(gpus, host_memory, tflops, link_gbs)
+        j = load_job(job, list(overrides or []) + ([f"model={model}"] if model else []))
+        p = make_plan(j, m, util=util)
+        if isinstance(reporter, JsonReporter):
+            reporter.emit({"event": "plan", **p.to_json()})
+        else:
+            print(format_plan(p))
+
+    _run(action, json, debug)
+
+
 @models_app.callback(invoke_without_command=True)
 def models(ctx: typer.Context, json: JsonOpt = None, debug: DebugOpt = False) -> None:
     """List the models available: shipped ones by name, with parameter counts and where each lives."""

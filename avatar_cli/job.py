@@ -161,6 +161,16 @@ def resolve_parallel(job: Job, source: ModelSource, world_size: int) -> tuple[Sp
     return Split(how), why
 
 
+def resolve_decode(job: Job, family, runtime: Runtime, parallel: Split) -> tuple[str, str]:
+    """`runtime.decode` for this family, device and split of the ranks -> ("inline" | "worker", why)."""
+    decode, why = decode_worker.choose(job.spec.runtime.decode.value, family, runtime)
+    if parallel == Split.steps and decode == "worker":  # rank 0 already decodes while the step ranks denoise
+        return "inline", "the timestep pipeline's rank 0 is its decode process"
+    if job.live and decode == "worker":
+        return "inline", "a live session decodes in its own process"
+    return decode, why
+
+
 def resolve(job: Job, force: bool = False, world_size: int | None = None) -> ResolvedJob:
     """Open and check every input and make every open choice, without loading models (module docstring).
 
@@ -210,11 +220,7 @@ def resolve(job: Job, force: bool = False, world_size: int | None = None) -> Res
     if on is not job.spec.chunking.transitions:  # auto, resolved before the fingerprint: a resume needs the same plan
         spec = replace(job.spec, chunking=replace(job.spec.chunking, transitions=on))
         job = replace(job, spec=spec)
-    decode, decode_why = decode_worker.choose(job.spec.runtime.decode.value, family, runtime)
-    if parallel == Split.steps and decode == "worker":  # rank 0 already decodes while the step ranks denoise
-        decode, decode_why = "inline", "the timestep pipeline's rank 0 is its decode process"
-    if job.live and decode == "worker":
-        decode, decode_why = "inline", "a live session decodes in its own process"
+    decode, decode_why = resolve_decode(job, family, runtime, parallel)
     return ResolvedJob(job, image, audio, model, frames, requested or gen_size, gen_size, runtime, world, parallel,
                        parallel_why, Decode(decode), decode_why, transitions_why)
 

@@ -136,7 +136,8 @@ class ModelCache:
         """skip: components this job does not need loaded (its prompt is in the text cache). A set that lacks
         what a later job needs gets just those loaded and placed beside it."""
         key = (source.fingerprint, str(runtime.device), str(runtime.dtype), rt_spec.offload.value,
-               rt_spec.reshard.value, rt_spec.shard.value, rt_spec.weights.value, rt_spec.vae_dtype.value)
+               rt_spec.reshard.value, rt_spec.shard.value, rt_spec.weights.value, rt_spec.vae_dtype.value,
+               rt_spec.offload_host.value)
         if key not in self.loaded:
             if not source.trained:
                 reporter.info(f"note: model '{source.name}' has no trained weights yet: a seeded random init stands "
@@ -151,7 +152,8 @@ class ModelCache:
             added = place(more, runtime, dist, rt_spec.offload.value, rt_spec.reshard.value, transfer=self.transfer,
                           free_bytes=self.free_bytes,
                           plan=plan_for(source.family.parallel.with_dtype("vae", rt_spec.vae_dtype.value), more),
-                          shard=rt_spec.shard.value, weights=rt_spec.weights.value)
+                          shard=rt_spec.shard.value, weights=rt_spec.weights.value,
+                          offload_host=rt_spec.offload_host.value)
             if modules:  # beside a placed set: the stages look each component up by name in either
                 placement.offloaders.update(added.offloaders)
                 placement.sharded.update(added.sharded)

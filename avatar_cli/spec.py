@@ -51,6 +51,12 @@ class Shard(str, Enum):
     replicate = "replicate"
 
 
+class OffloadHost(str, Enum):
+    auto = "auto"
+    pinned = "pinned"
+    mmap = "mmap"
+
+
 class Parallel(str, Enum):
     auto = "auto"
     sequence = "sequence"
@@ -137,6 +143,10 @@ class RuntimeSpec:
     dtype: DType = DType.auto  # auto: bfloat16 on CUDA and on CPUs with native bf16, else float32
     threads: int = 0  # torch CPU threads; 0 = one per core
     offload: Offload = Offload.auto  # GPU: where idle models wait (auto decides from free GPU memory)
+    # offload: block: where the DiT's blocks wait. pinned: a copy in pinned host memory; mmap: the checkpoint file
+    # itself, memory-mapped (the page cache, shared by every process), copied block by block; auto: pinned when the
+    # copies fit the host's available memory, else mmap.
+    offload_host: OffloadHost = OffloadHost.auto
     reshard: Reshard = Reshard.per_block  # several GPUs: FSDP2 reshards after each block, or after each stage
     shard: Shard = Shard.auto  # several GPUs: shard the big models (FSDP2) or replicate them; auto: from memory
     # The big models' weights in memory: bf16 = in the runtime dtype (`dtype`), as loaded; fp8 | int8 = the Linears of
@@ -372,9 +382,10 @@ def _model_source(model: str, base: Path, mode: str):
 
 
 def _shipped_names() -> set[str]:
-    from avatar_cli.families.registry import shipped_names  # local import: spec must not pull in torch at import time
+    """Model names that are no path: shipped models and the sizes `avatar plan` counts without weights."""
+    from avatar_cli.families.registry import preset_names, shipped_names  # local: spec must not pull in torch at import
 
-    return shipped_names()
+    return shipped_names() | preset_names()
 
 
 def validate(s: JobSpec) -> None:

@@ -20,16 +20,11 @@ context). Shared with bench/gpu_check.py: `Clip`, `dit_inputs`, `random_init`, `
 
 import dataclasses
 import sys
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -37,6 +32,8 @@ sys.path.insert(0, str(ROOT))
 from avatar_cli.families.wan_s2v.dit import WanDiTParams, WanS2VDiT, s2v_positions  # noqa: E402
 from avatar_cli.families.wan_s2v.vae import WanVAE, WanVAEParams  # noqa: E402
 from avatar_cli.runtime.flops import flop_counter  # noqa: E402
+# The meta-device counters live in the package (`avatar plan` counts with them too); re-exported for gpu_check.
+from avatar_cli.runtime.meta_count import FusedAttention, LiveBytes, n_bytes, on_meta, peak_bytes  # noqa: E402,F401
 
 GB = 1e9
 ASSUMED_PEAK_TFLOPS = 989.0  # H100/H800 SXM bf16 dense, the vendor's figure
@@ -91,11 +88,6 @@ def seq_len(p: WanDiTParams, clip: Clip) -> tuple[int, int]:
     return s2v_positions(p, clip.frames, clip.lat_h, clip.lat_w, clip.motion).shape[0], noisy
 
 
-def on_meta(cls, params, dtype: torch.dtype) -> nn.Module:
-    with torch.device("meta"):
-        return cls(params).to(dtype).eval()
-
-
 @torch.no_grad()
 def random_init(model: nn.Module, device: torch.device, seed: int, std: float = 0.02) -> nn.Module:
     """A model built on meta, given storage on `device` and every parameter drawn N(0, std^2) from one seeded
@@ -109,10 +101,6 @@ def random_init(model: nn.Module, device: torch.device, seed: int, std: float = 
 
 def n_params(model: nn.Module) -> int:
     return sum(prm.numel() for prm in model.parameters())  # parameters() lists a tied weight once
-
-
-def n_bytes(model: nn.Module) -> int:
-    return sum(prm.numel() * prm.element_size() for prm in model.parameters())
 
 
 def dit_flops(model: WanS2VDiT, inputs: dict) -> dict[str, float]:
@@ -144,54 +132,6 @@ def formula_flops(p: WanDiTParams, n: int, noisy: int, frames: int) -> float:
                 + 2 * frames * d * 2 * d)  # + the AdaIN's Linear on the frame's global token
     embed = 2 * L * (p.text_dim * d + d * d) + 2 * 2 * (p.freq_dim * d + d * d + d * 6 * d) + 2 * noisy * d * 64
     return p.num_layers * block + len(p.audio_inject_layers) * injector + embed
-
-
-class LiveBytes(TorchDispatchMode):
-    """The most bytes held at once by storages that ops allocate while active. A storage that an op's inputs
-    already hold (views, in-place results) is not counted; a storage leaves the count when torch frees it."""
-
-    def __init__(self):
-        super().__init__()
-        self.live = self.peak = 0
-        self._ids: set[int] = set()
-
-    def _freed(self, key: int, size: int) -> None:
-        self._ids.discard(key)
-        self.live -= size
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        # A view or in-place result shares an input's storage: not an allocation (a weight's .t() above all).
-        inputs = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                st = t.untyped_storage()
-                if id(st) not in self._ids and id(st) not in inputs:  # one Python object per live storage
-                    self._ids.add(id(st))
-                    self.live += st.nbytes()
-                    weakref.finalize(st, self._freed, id(st), st.nbytes())
-        self.peak = max(self.peak, self.live)
-        return out
-
-
-class FusedAttention(TorchFunctionMode):
-    """Every F.scaled_dot_product_attention allocates what a fused (flash) kernel does: its output (B, H, N, Dv)
-    and a logsumexp (B, H, N) fp32, instead of the math path's N x M scores (86 GB at 480p)."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is F.scaled_dot_product_attention:
-            q, v = args[0], args[2]
-            torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)  # logsumexp, freed at once
-            return q.new_empty((*q.shape[:-1], v.shape[-1]))  # (B, H, N, Dv)
-        return func(*args, **(kwargs or {}))
-
-
-def peak_bytes(fn) -> int:
-    """Peak bytes allocated by fn() beyond what already exists (weights, inputs), attention fused."""
-    tracker = LiveBytes()
-    with torch.no_grad(), FusedAttention(), tracker:
-        fn()
-    return tracker.peak
 
 
 def vae_decode_meta(vp: WanVAEParams, clip: Clip, dtype: torch.dtype) -> dict[str, float]:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from avatar_cli.families.mini.dit import DiT
 from avatar_cli.families.mini.config import SIZES
 from avatar_cli.runtime.distributed import Dist, init_distributed
-from avatar_cli.runtime.placement import resident_bytes
+from avatar_cli.runtime.placement import model_sizes, resident_bytes
 from avatar_cli.families.base import check_degree
 from tests.conftest import torchrun
 
@@ -62,9 +62,12 @@ def test_two_ranks_offload_shards_to_host_and_render_the_same_video(job_dir: Pat
 
 def test_resident_bytes_per_rank_follow_the_reshard_policy():
     dit = DiT(SIZES["tiny"].dit)
-    total, block = (sum(p.nbytes for p in m.parameters()) for m in (dit, dit.blocks[0]))
-    assert resident_bytes(dit, 4, "per_block") == total // 4 + 2 * block
-    assert resident_bytes(dit, 4, "per_stage") == total // 4 + total
+    total, block, blocks = (sum(p.nbytes for p in m.parameters()) for m in (dit, dit.blocks[0], dit.blocks))
+    size = model_sizes(dit)
+    assert (size.total, size.block, size.root) == (total, block, total - blocks)
+    # per_block: the shard, the root (FSDP2 keeps it gathered) and two gathered blocks
+    assert resident_bytes(size, 4, "per_block") == total // 4 + (total - blocks) + 2 * block
+    assert resident_bytes(size, 4, "per_stage") == total // 4 + total
 
 
 def test_killed_rank_ends_the_other_under_torchrun():

@@ -10,13 +10,16 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from avatar_cli.families.mini.dit import DiT
 from avatar_cli.families.mini.config import SIZES
 from avatar_cli.families.mini.text import TextEncoder
 from avatar_cli.runtime import numa
 from avatar_cli.runtime.placement import Placement
-from avatar_cli.runtime.offload import ALIGN, BlockOffloader, HostTransfer, ModelOffloader, choose_offload
+from avatar_cli.modules.tensor_files import read_safetensors_header
+from avatar_cli.runtime.offload import (ALIGN, BlockOffloader, HostTransfer, MappedCheckpoint, ModelOffloader,
+                                        choose_offload)
 
 DEPTH = 4  # more blocks than buffers, so blocks really stream through the double buffer
 
@@ -99,6 +102,60 @@ def test_block_offload_state_machine_and_outputs():
     assert off.active and torch.equal(out, outs[0])
     off.end()
     assert not any(t.is_device(p) for p in model.parameters())
+
+
+def _mapped_dit(tmp_path: Path, file_dtype: torch.dtype, compute: torch.dtype):
+    """The test DiT saved as a safetensors checkpoint in file_dtype, a twin built on meta, and that twin block-
+    offloaded from the memory-mapped file (the mmap host tier), computing in `compute`."""
+    plain = _dit()
+    path = tmp_path / "dit.safetensors"
+    save_file({k: v.to(file_dtype).contiguous() for k, v in plain.state_dict().items()}, str(path))
+    with torch.device("meta"):
+        twin = DiT(dataclasses.replace(SIZES["tiny"].dit, depth=DEPTH)).eval()
+    t = HostTransfer()
+    mapped = MappedCheckpoint(read_safetensors_header(path))
+    return plain.to(file_dtype).to(compute), twin, t, BlockOffloader(twin, t, mapped=mapped, dtype=compute)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("file_dtype", [torch.float32, torch.bfloat16])
+def test_block_offload_from_the_memory_mapped_checkpoint(tmp_path: Path, file_dtype: torch.dtype):
+    """The mmap host tier: the blocks stay in the file (no host copy: between stages a block's parameters are meta
+    placeholders), are staged block by block through two pinned buffers, cast from the file's dtype to the compute
+    dtype (bf16 on disk, float32 compute here), and the forwards equal the resident model's exactly."""
+    plain, model, t, off = _mapped_dit(tmp_path, file_dtype, torch.float32)
+    # no block has a host copy: each parameter a placeholder of its shape and dtype (one NaN, broadcast)
+    placeholders = [p for b in model.blocks for p in b.parameters()]
+    assert all(p.dtype == torch.float32 and p.untyped_storage().nbytes() == 4 for p in placeholders)
+    block_ids = {id(p) for b in model.blocks for p in b.parameters()}
+    assert not any(p.device.type == "meta" for p in model.parameters() if id(p) not in block_ids)  # the root: read
+    args = _inputs()
+    with off.stage():
+        outs = [model(*args) for _ in range(2)]  # two denoising steps: the staging pair refills around the ring
+    for out in outs:
+        assert torch.equal(out, plain(*args))
+    assert t.loads == ["root"] + [f"block {i}" for i in list(range(DEPTH)) * 2] + ["block 0"]
+    assert t.live_bytes == 0 and all(p.untyped_storage().nbytes() == 4 for p in placeholders)
+    # Host memory: the root's slab and the staging pair, not the blocks (the pinned tier holds every block).
+    largest = max(g.nbytes for g in off.blocks)
+    assert off.host_bytes == off.root.slab.numel() + 2 * largest
+    assert off.host_bytes < _padded(plain.parameters()) * 0.8
+    assert torch.equal(model(*args), outs[0])  # a second stage, started by the first forward
+    off.end()
+
+
+@torch.no_grad()
+def test_mmap_staging_waits_for_the_copy_out_before_refilling(tmp_path: Path):
+    """A staging buffer is refilled for block i+2 only once block i's copy out of it has landed: a refill before
+    that would put block i+2's weights where block i's copy still reads (HostTransfer lands copies late)."""
+    _, model, t, off = _mapped_dit(tmp_path, torch.float32, torch.float32)
+    waits = []
+    host_wait = t.host_wait
+    t.host_wait = lambda e: (waits.append(e), host_wait(e))
+    with off.stage():
+        model(*_inputs())
+    # 5 blocks staged after the first two (blocks 2, 3 and block 0 again): each waited on its buffer's last copy
+    assert len(waits) == DEPTH - 1 and waits == sorted(waits)
 
 
 @torch.no_grad()
@@ -308,3 +365,40 @@ def test_a_gpu_rank_binds_to_its_node_before_joining_the_process_group(monkeypat
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(InputError, match="local rank 1 but only 1 GPU"):
         runner.setup_runtime(spec)
+
+
+def test_wan_render_streaming_blocks_from_the_mapped_checkpoint_equals_the_resident_one(tmp_path: Path, caplog):
+    """A tiny wan-s2v render (the official layout; its DiT read lazily from safetensors) with runtime.offload: block
+    and runtime.offload_host: mmap, the CPU standing in for the GPU: the DiT's blocks come from the memory-mapped
+    checkpoint, and the frames are the resident render's."""
+    from avatar_cli import runner
+    from avatar_cli.families.registry import init_family_dir
+    from avatar_cli.report import QuietReporter
+    from avatar_cli.spec import load_job
+    from tests.conftest import write_reference, write_wav
+
+    model = tmp_path / "wan"
+    init_family_dir(model, "tiny", seed=0, family="wan-s2v")
+    write_reference(tmp_path / "ref.png")
+    write_wav(tmp_path / "speech.wav", 1.0)
+    (tmp_path / "job.yaml").write_text(
+        f"reference: ref.png\naudio: speech.wav\noutput: out/video.mp4\nmodel: {model}\nseed: 3\n"
+        "video: {width: 64, height: 64}\nsampling: {steps: 2}\n")
+
+    def render(name: str, *overrides: str, transfer=None, free=None):
+        job = load_job(tmp_path / "job.yaml", ["runtime.dtype=float32", "runtime.text_cache=off", *overrides],
+                       output=str(tmp_path / f"{name}.mp4"))
+        cache = runner.ModelCache(transfer=transfer, free_bytes=free)
+        return runner.render(runner.prepare(job), QuietReporter(0), models=cache), cache
+
+    plain, _ = render("plain")
+    t = HostTransfer()
+    with caplog.at_level(logging.INFO, logger="avatar_cli.runtime"):
+        mapped, cache = render("mapped", "runtime.offload=block", "runtime.offload_host=mmap", transfer=t, free=1)
+    assert mapped["frames_digest"] == plain["frames_digest"]
+    (_, placement), = cache.loaded.values()
+    dit = placement.offloaders["dit"]
+    assert dit.mapped is not None and dit.host_bytes == dit.root.slab.numel() + 2 * dit.block_bytes
+    assert placement.offloaders["text"].mapped is None  # umT5 comes from a .pth: its blocks wait pinned
+    assert "offload host: mmap (set by runtime.offload_host)" in caplog.text
+    assert t.live_bytes == 0 and "dit: block 1" in t.loads

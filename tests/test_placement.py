@@ -58,7 +58,7 @@ def test_offloaded_render_equals_resident_and_leaves_nothing_on_the_device(job_d
 
 
 def test_auto_chooses_from_free_memory_and_logs(job_dir: Path, caplog):
-    with caplog.at_level(logging.INFO, logger="avatar_cli.runtime.offload"):
+    with caplog.at_level(logging.INFO, logger="avatar_cli.runtime"):
         _, roomy = render(job_dir, "roomy", "auto", HostTransfer(), free_bytes=64 * GIB)
         _, tight = render(job_dir, "tight", "auto", HostTransfer(), free_bytes=1)
     assert [next(iter(c.loaded.values()))[1].offload for c in (roomy, tight)] == ["none", "block"]

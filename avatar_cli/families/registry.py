@@ -18,7 +18,7 @@ from avatar_cli.modules.module import Module
 
 __all__ = ["RANDOM_SEED", "FamilySpec", "ModelSource", "register", "get", "names", "resolve_model", "with_mode",
            "with_lora", "model_for_spec", "check_model", "load_modules", "init_family_dir", "param_count",
-           "check_directory", "shipped_names"]
+           "check_directory", "shipped_names", "preset_names"]
 
 WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "weights"
 FAMILIES: dict[str, FamilySpec] = {}
@@ -49,6 +49,11 @@ def shipped_names() -> set[str]:
     return {name for spec in FAMILIES.values() for name in spec.shipped}
 
 
+def preset_names() -> set[str]:
+    """Sizes a job may name without weights, for `avatar plan` (FamilySpec.presets)."""
+    return {name for spec in FAMILIES.values() for name in spec.presets}
+
+
 def detect(directory: Path) -> FamilySpec:
     """The family of a model directory: the newest registered one that recognises it, else the first registered
     (mini), whose reader then says what the directory lacks."""
@@ -67,6 +72,8 @@ def resolve_model(model: str, base_dir: Path) -> ModelSource:
             if spec.recognises(directory):
                 return ModelSource(spec, model, spec.read(directory), directory)
             return ModelSource(spec, model, spec.shipped[model], None)
+        if model in spec.presets:
+            return ModelSource(spec, model, spec.presets[model](), None, preset=True)
     directory = (base_dir / model).expanduser()
     if not directory.is_dir():
         names_ = ", ".join(sorted(shipped_names()))
@@ -107,7 +114,11 @@ def model_for_spec(model: str, base_dir: Path, mode: str = "clip") -> ModelSourc
 
 
 def check_model(source: ModelSource) -> None:
-    """Strict name/shape check of every checkpoint against the config, reading headers only."""
+    """Strict name/shape check of every checkpoint against the config, reading headers only; a preset (a size named
+    without weights) is refused: it can be planned, not rendered."""
+    if source.preset:
+        raise InputError(f"model: '{source.name}' names the {source.family_name} release's size, which `avatar plan` "
+                         "counts without weights; a render needs the model directory")
     if source.path is not None:
         source.spec.check(source)
 

@@ -41,6 +41,10 @@ class FamilySpec:
       encodings equal, the text cache's key; None: the family's prompts are not cached (a render says so).
     lora: (source, path, rank, scale) -> the checked LoRA the DiT merges at load; None: the family takes none.
     shipped: shipped model name -> its size (weights under avatar_cli/weights/<name>, else a random init).
+    presets: sizes a job may name without weights (`model: wan-s2v-14b`), name -> a function giving the config:
+      `avatar plan` counts them on the meta device; a render refuses them (it needs the weights).
+    budget: (config, mode, (width, height), dtype, steps, guidance) -> runtime.budget.Budget, the family's work
+      counted on meta (`avatar plan`); None: the family has none.
     """
 
     name: str
@@ -58,6 +62,8 @@ class FamilySpec:
     prompt_identity: Callable[["ModelSource"], tuple[str, str, str]] | None = None
     lora: Callable[["ModelSource", Path, int, float | None], Any] | None = None
     shipped: Mapping[str, Any] = field(default_factory=dict)
+    presets: Mapping[str, Callable[[], Any]] = field(default_factory=dict)
+    budget: Callable[..., Any] | None = None
 
     @property
     def takes_lora(self) -> bool:
@@ -74,6 +80,7 @@ class ModelSource:
     path: Path | None  # None: no weights on disk, a seeded random init stands in
     lora: Any = None  # the LoRA merged into the DiT at load (the family's checked LoRA), from the job
     mode: str = "clip"  # the generation mode, one of spec.modes
+    preset: bool = False  # a size named without weights (FamilySpec.presets): `avatar plan` only
 
     @property
     def trained(self) -> bool:

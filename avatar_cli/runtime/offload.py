@@ -21,8 +21,10 @@ torch 2.14's FSDP2 CPU offload copies synchronously at world size 1, hence this 
 
 import contextlib
 import logging
-from collections.abc import Iterator
-from dataclasses import dataclass
+import mmap
+import warnings
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 import torch
@@ -45,6 +47,7 @@ class Transfer(Protocol):
     def load(self, dst: torch.Tensor, src: torch.Tensor, after: Any, label: str) -> Any: ...  # -> done event
     def compute_mark(self) -> Any: ...  # event after all compute queued so far
     def wait(self, event: Any) -> None: ...  # compute waits for `event` (not the host)
+    def host_wait(self, event: Any) -> None: ...  # the host waits until the copy behind `event` has landed
     def is_device(self, t: torch.Tensor) -> bool: ...
 
 
@@ -86,6 +89,9 @@ class CudaTransfer:
 
     def wait(self, event: Any) -> None:
         torch.cuda.current_stream(self.device).wait_event(event)
+
+    def host_wait(self, event: Any) -> None:
+        event.synchronize()
 
     def is_device(self, t: torch.Tensor) -> bool:
         return t.device.type == "cuda"
@@ -146,6 +152,9 @@ class HostTransfer:
             dst.copy_(src)
             self._clock += 1
             self._in_use_since[dst.untyped_storage().data_ptr()] = self._clock
+
+    def host_wait(self, event: int) -> None:
+        self.wait(event)  # compute is the host here: landing the copy is all there is to wait for
 
     def is_device(self, t: torch.Tensor) -> bool:
         ptr = t.untyped_storage().data_ptr()
@@ -228,6 +237,97 @@ def _pack(label: str, params: list[nn.Parameter], transfer: Transfer) -> _Group:
     return group
 
 
+class MappedCheckpoint:
+    """A safetensors checkpoint memory-mapped: the mmap host tier of block offload.
+
+    Each tensor is a zero-copy view of the file's pages (a private, copy-on-write mapping: nothing writes to it);
+    its bytes come from the page cache, or the disk, only when a block is staged for the device. The page cache is
+    reclaimable and shared by every process that maps the file, so N ranks on one host hold one copy, and a host
+    with less memory than the model still runs it (at the disk's speed for what the cache cannot hold).
+
+    infos: state-dict name -> a TensorInfo (modules/tensor_files.py: file, absolute byte span, dtype, shape)."""
+
+    def __init__(self, infos: Mapping[str, Any]):
+        self.infos = infos
+        self._maps: dict[str, mmap.mmap] = {}
+
+    def raw(self, name: str) -> torch.Tensor:
+        """The tensor's bytes in the file, (nbytes,) uint8, without reading them."""
+        info = self.infos[name]
+        if info.span is None:
+            raise ValueError(f"{name}: not in a safetensors file; only those can be memory-mapped")
+        key = str(info.file)
+        if key not in self._maps:
+            with open(info.file, "rb") as f:
+                self._maps[key] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        start, end = info.span
+        if end == start:
+            return torch.empty(0, dtype=torch.uint8)
+        with warnings.catch_warnings():  # a copy-on-write mapping is writable; torch warns about read-only ones
+            warnings.simplefilter("ignore")
+            return torch.frombuffer(self._maps[key], dtype=torch.uint8, count=end - start, offset=start)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The tensor in its file dtype and shape (a view of the mapping where aligned, else a copy)."""
+        info, raw = self.infos[name], self.raw(name)
+        if raw.data_ptr() % info.dtype.itemsize:
+            raw = raw.clone()
+        return raw.view(info.dtype).view(info.shape)
+
+
+@dataclass
+class _MappedGroup(_Group):
+    """A block whose parameters stay in a memory-mapped checkpoint: `fill` stages them (cast to the compute dtype
+    where the file's differs) into a pinned buffer laid out as the device buffer is; between stages each
+    parameter points at a meta placeholder of its shape and dtype (no host copy exists)."""
+
+    sources: list[tuple[torch.Tensor, torch.dtype, tuple[int, ...]]] = field(default_factory=list)
+
+    def fill(self, stage: torch.Tensor) -> None:
+        for p, o, st, (raw, file_dtype, shape) in zip(self.params, self.offsets, self.strides, self.sources):
+            if file_dtype == p.dtype:
+                stage[o:o + p.nbytes].copy_(raw)  # bytes as they are: the page cache -> pinned memory
+            else:
+                typed = raw.clone() if raw.data_ptr() % file_dtype.itemsize else raw
+                stage[o:o + p.nbytes].view(p.dtype).as_strided(p.shape, st).copy_(typed.view(file_dtype).view(shape))
+
+
+def _map(label: str, params: list[nn.Parameter], names: list[str], mapped: MappedCheckpoint,
+         dtype: torch.dtype) -> _MappedGroup:
+    offsets, n, sources = [], 0, []
+    for p, name in zip(params, names):
+        info = mapped.infos[name]
+        if tuple(info.shape) != tuple(p.shape):
+            raise ValueError(f"offload: {name}: file shape {list(info.shape)}, model {list(p.shape)}")
+        offsets.append(n)
+        n += -(-p.nbytes // ALIGN) * ALIGN
+        sources.append((mapped.raw(name), info.dtype, tuple(info.shape)))
+    strides = [torch.empty(p.shape, device="meta").stride() for p in params]  # laid out as in the file
+    group = _MappedGroup(label, params, offsets, strides, n, torch.empty(0, dtype=torch.uint8),
+                         [p.data for p in params], sources)
+    return group
+
+
+def _off_meta(model: nn.Module, in_blocks: set[int], mapped: MappedCheckpoint, dtype: torch.dtype) -> None:
+    """Give the model's meta parameters host tensors (a meta tensor's data cannot be swapped for another device's,
+    so each is replaced in its module): the parameters outside the blocks read from the mapping (then packed into
+    a pinned slab as usual); the blocks' a placeholder of their shape and compute dtype, one NaN broadcast (no
+    memory, and a block used without its copy shows at once): no host copy of a block exists."""
+    new: dict[int, nn.Parameter] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for attr, p in module._parameters.items():
+            if p is None or p.device.type != "meta":
+                continue
+            if id(p) not in new:
+                if id(p) in in_blocks:
+                    data = torch.full((), float("nan"), dtype=dtype).expand(p.shape)
+                else:
+                    t = mapped.tensor(f"{prefix}.{attr}" if prefix else attr)
+                    data = t.to(dtype if t.is_floating_point() else t.dtype).clone()
+                new[id(p)] = nn.Parameter(data, p.requires_grad)
+            module._parameters[attr] = new[id(p)]
+
+
 def _unique_params(module: nn.Module) -> list[nn.Parameter]:
     if any(True for _ in module.buffers()):
         raise ValueError(f"{type(module).__name__}: offload handles parameters only; this module has buffers")
@@ -260,15 +360,36 @@ class BlockOffloader(_Stage):
     around: the last block starts block 0's copy for the next step.
     """
 
-    def __init__(self, model: nn.Module, transfer: Transfer, blocks: nn.ModuleList | None = None, name: str = ""):
+    def __init__(self, model: nn.Module, transfer: Transfer, blocks: nn.ModuleList | None = None, name: str = "",
+                 mapped: MappedCheckpoint | None = None, dtype: torch.dtype | None = None):
+        """mapped: the mmap host tier: the model (on meta) reads its blocks from this mapped checkpoint at every
+        stage, staged through two pinned buffers the size of the largest block, and its other parameters once
+        into a pinned slab; dtype: the dtype it computes in (the file's is cast while staging where it differs).
+        Without it, every parameter is copied into pinned host slabs (the pinned tier)."""
         self.transfer = transfer
         blocks = blocks if blocks is not None else model.blocks
         in_blocks = {id(p) for b in blocks for p in b.parameters()}
-        root = [p for p in _unique_params(model) if id(p) not in in_blocks]
         prefix = f"{name}: " if name else ""
+        self.mapped = mapped
+        if mapped is not None:
+            dtype = dtype or next(iter(model.parameters())).dtype
+            _off_meta(model, in_blocks, mapped, dtype)
+            in_blocks = {id(p) for b in blocks for p in b.parameters()}
+        root = [p for p in _unique_params(model) if id(p) not in in_blocks]
+        if mapped is not None:
+            names = {}
+            for n, p in model.named_parameters(remove_duplicate=False):
+                names.setdefault(id(p), n)
+            self.blocks = [_map(f"{prefix}block {i}", ps, [names[id(p)] for p in ps], mapped, dtype)
+                           for i, ps in enumerate(_unique_params(b) for b in blocks)]
+        else:
+            self.blocks = [_pack(f"{prefix}block {i}", _unique_params(b), transfer) for i, b in enumerate(blocks)]
         self.root = _pack(prefix + "root", root, transfer)
-        self.blocks = [_pack(f"{prefix}block {i}", _unique_params(b), transfer) for i, b in enumerate(blocks)]
         self.block_bytes = max(g.nbytes for g in self.blocks)
+        # mmap tier: block i is staged into the pinned buffer of the device buffer it goes to; a buffer is refilled
+        # only once the copy out of it has landed (`_staged`: that copy's event).
+        self._staging = [transfer.host_empty(self.block_bytes) for _ in range(2)] if mapped is not None else []
+        self._staged: list[Any] = [None, None]
         self.active = False
         self._bufs: list[torch.Tensor] = []  # 2 device buffers of block_bytes
         self._root_buf: torch.Tensor | None = None
@@ -287,6 +408,14 @@ class BlockOffloader(_Stage):
     def bound_bytes(self) -> int:
         """Device bytes this offloader ever holds: the non-block parameters and two block buffers."""
         return self.root.nbytes + 2 * self.block_bytes
+
+    @property
+    def host_bytes(self) -> int:
+        """Host bytes it holds: the non-block slab, and every block's slab (pinned tier) or two staging buffers
+        (mmap tier: the blocks stay in the page cache, which the kernel may reclaim and every process shares)."""
+        if self.mapped is not None:
+            return self.root.slab.numel() + sum(b.numel() for b in self._staging)
+        return self.root.slab.numel() + sum(g.slab.numel() for g in self.blocks)
 
     def prefetch(self) -> None:
         """Start copying the non-block parameters and block 0 in, without waiting: call it while the stage
@@ -321,6 +450,7 @@ class BlockOffloader(_Stage):
             t.free(buf)
         self._root_buf, self._bufs, self._root_done = None, [], None
         self._resident, self._pending, self._free_after, self._current = [None, None], {}, [None, None], None
+        self._staged = [None, None]  # every copy has landed (waited on above)
         self.active = False
 
     def remove(self) -> None:
@@ -338,7 +468,15 @@ class BlockOffloader(_Stage):
         """Start copying block i into buffer `buf`, once that buffer's last user has computed."""
         self._pending = {b: v for b, v in self._pending.items() if v[0] != buf}  # a later copy replaces it
         g = self.blocks[i]
-        done = self.transfer.load(self._bufs[buf][:g.nbytes], g.slab[:g.nbytes], self._free_after[buf], g.label)
+        src = g.slab[:g.nbytes]
+        if self.mapped is not None:
+            if self._staged[buf] is not None:
+                self.transfer.host_wait(self._staged[buf])  # the last copy out of this staging buffer has landed
+            g.fill(self._staging[buf])
+            src = self._staging[buf][:g.nbytes]
+        done = self.transfer.load(self._bufs[buf][:g.nbytes], src, self._free_after[buf], g.label)
+        if self.mapped is not None:
+            self._staged[buf] = done
         self._pending[i] = (buf, done)
 
     def _evict(self, buf: int) -> None:
@@ -424,20 +562,19 @@ def model_bytes(model: nn.Module) -> int:
     return sum(stored_bytes(p) for p in model.parameters())  # a quantized weight: its data and scales
 
 
-def choose_offload(policy: OffloadPolicy, free_bytes: int, model_sizes: dict[str, int],
-                   working_bytes: int = 0) -> Literal["none", "model", "block"]:
-    """Resolve `runtime.offload`; "auto" decides from free device memory, and the decision is logged.
+def offload_choice(policy: OffloadPolicy, free_bytes: int, model_sizes: Mapping[str, int],
+                   working_bytes: int = 0) -> tuple[Literal["none", "model", "block"], str]:
+    """Resolve `runtime.offload` -> (choice, why); "auto" decides from free device memory.
 
-    model_sizes: parameter bytes per model; working_bytes: activations and workspace the largest
-    stage needs on top of its weights (keep a margin: the allocator fragments).
+    model_sizes: bytes each model holds on the device while it runs (for a sharded one: its shard and gathered
+    blocks); working_bytes: activations, workspace and state the largest stage needs on top of its weights.
     - "none": every model fits at once, with the working set;
     - "model": the largest model fits whole while it runs, beside the next stage's, prefetched (counted as
-      the second largest); the rest wait in pinned host memory;
+      the second largest); the rest wait in host memory;
     - "block": even that doesn't fit; stream the blocks.
     """
     if policy != "auto":
-        log.info("offload: %s (set by runtime.offload)", policy)
-        return policy
+        return policy, f"{policy} (set by runtime.offload)"
     total, largest = sum(model_sizes.values()), max(model_sizes.values(), default=0)
     two = sum(sorted(model_sizes.values())[-2:])
     if total + working_bytes <= free_bytes:
@@ -447,6 +584,56 @@ def choose_offload(policy: OffloadPolicy, free_bytes: int, model_sizes: dict[str
     else:
         choice = "block"
     gib = 2**30
-    log.info("offload: auto chose %s (free %.2f GiB; models %.2f GiB in all, largest %.2f GiB; working %.2f GiB)",
-             choice, free_bytes / gib, total / gib, largest / gib, working_bytes / gib)
+    return choice, (f"auto chose {choice} (free {free_bytes / gib:.2f} GiB; models {total / gib:.2f} GiB in all, "
+                    f"largest {largest / gib:.2f} GiB; working {working_bytes / gib:.2f} GiB)")
+
+
+def choose_offload(policy: OffloadPolicy, free_bytes: int, model_sizes: Mapping[str, int],
+                   working_bytes: int = 0) -> Literal["none", "model", "block"]:
+    """offload_choice, logged (keep a margin in working_bytes: the allocator fragments)."""
+    choice, why = offload_choice(policy, free_bytes, model_sizes, working_bytes)
+    log.info("offload: %s", why)
     return choice
+
+
+def host_tier_choice(setting: str, host_free: int | None, pinned_bytes: int, mappable: str | None
+                     ) -> tuple[Literal["pinned", "mmap"], str]:
+    """Resolve `runtime.offload_host` for block offload -> (tier, why).
+
+    pinned_bytes: host bytes the pinned tier would hold on this host (every process's copies of the offloaded
+    weights); host_free: the host's available memory (None: unknown); mappable: None when the blocks can be
+    read from a memory-mapped checkpoint, else why not.
+    - pinned: the weights copied once into pinned host memory; every copy to the GPU is a DMA at the link's speed.
+    - mmap: the blocks stay in the checkpoint file; each forward reads them from the page cache (disk the first
+      time, and whenever the page cache cannot hold the file) into a small pinned staging pair. The page cache is
+      reclaimable and shared by every process on the host, so a host smaller than the model runs it.
+    auto: pinned when it fits the available memory with a quarter to spare, else mmap (where mappable)."""
+    if setting == "pinned":
+        return "pinned", "pinned (set by runtime.offload_host)"
+    if setting == "mmap":
+        if mappable is not None:
+            raise ValueError(f"runtime.offload_host: mmap: {mappable}")
+        return "mmap", "mmap (set by runtime.offload_host)"
+    gb = 1e9
+    if host_free is None:
+        return "pinned", "auto: pinned (the host's free memory is not known)"
+    if pinned_bytes <= 0.75 * host_free:
+        return "pinned", (f"auto: pinned: {pinned_bytes / gb:.1f} GB of copies fit the host's {host_free / gb:.1f} GB "
+                          "available, and copies from pinned memory run at the link's full speed")
+    if mappable is not None:
+        return "pinned", (f"auto: pinned, though {pinned_bytes / gb:.1f} GB of copies crowd the host's "
+                          f"{host_free / gb:.1f} GB: mmap is not possible ({mappable})")
+    return "mmap", (f"auto: mmap: {pinned_bytes / gb:.1f} GB of pinned copies would not fit the host's "
+                    f"{host_free / gb:.1f} GB available; the checkpoint is read through the page cache instead")
+
+
+def host_available() -> int | None:
+    """The host's available memory (MemAvailable: free plus reclaimable page cache), None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

@@ -25,6 +25,7 @@ so the whole placement runs on the CPU with the CPU standing in for the GPU.
 
 import contextlib
 import logging
+import os
 from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 
@@ -33,13 +34,14 @@ import torch
 from avatar_cli.errors import InputError
 from avatar_cli.modules.loading import materialize
 from avatar_cli.modules.module import Module
-from avatar_cli.runtime.device import Runtime
+from avatar_cli.runtime.budget import ModelBytes
+from avatar_cli.runtime.device import Runtime, dtype_name
 from avatar_cli.runtime.distributed import Dist
 from avatar_cli.runtime.frame_parallel import FrameParallel
-from avatar_cli.runtime.offload import (BlockOffloader, CudaTransfer, ModelOffloader, Transfer, choose_offload,
-                                        model_bytes)
+from avatar_cli.runtime.offload import (BlockOffloader, CudaTransfer, MappedCheckpoint, ModelOffloader, Transfer,
+                                        host_available, host_tier_choice, model_bytes, offload_choice)
 from avatar_cli.runtime.parallelize import gpu_param_dtype, parallelize_model, prefetch_stage, reshard_stage
-from avatar_cli.runtime.quantize import check_weights, quantize_linears
+from avatar_cli.runtime.quantize import check_weights, quantize_linears, stored_bytes
 from avatar_cli.runtime.sharding import choose_sharding
 from avatar_cli.families.base import ParallelPlan, check_degree
 
@@ -87,14 +89,77 @@ class Placement:
             offloader.end()
 
 
-def resident_bytes(model: torch.nn.Module, world_size: int, reshard: str) -> int:
-    """Device bytes a sharded model needs on one rank while it runs: its shard plus what the all-gathers
-    hold (per_block: the running and the prefetched block; per_stage: the whole model, kept gathered)."""
-    total = model_bytes(model)
-    if reshard == "per_stage":
-        return total // world_size + total
-    largest_block = max(model_bytes(b) for b in model.blocks)
-    return total // world_size + 2 * largest_block
+def _stored(model: torch.nn.Module) -> int:
+    """Parameter bytes as held (a quantized weight: its data and scales)."""
+    return sum(stored_bytes(p) for p in model.parameters())
+
+
+def model_sizes(model: torch.nn.Module) -> ModelBytes:
+    """A model's parameter bytes as the layout choice reads them (on meta this costs nothing): whole, and its
+    `blocks` (the units block offload streams and FSDP2 gathers) when it has them."""
+    blocks = getattr(model, "blocks", None)
+    dtype = next((p.dtype for p in model.parameters()), torch.float32)
+    if not isinstance(blocks, torch.nn.ModuleList) or len(blocks) == 0:
+        return ModelBytes(_stored(model), dtype_name(dtype))
+    sizes = [_stored(b) for b in blocks]
+    return ModelBytes(_stored(model), dtype_name(dtype), len(sizes), max(sizes), sum(sizes))
+
+
+def resident_bytes(size: ModelBytes, world_size: int, reshard: str) -> int:
+    """Device bytes a sharded model needs on one rank while it runs: its shard plus what the all-gathers hold
+    (per_block: the root, which FSDP2 never reshards, and the running and the prefetched block; per_stage: the
+    whole model, kept gathered)."""
+    if reshard == "per_stage" or not size.blocks:
+        return size.total // world_size + size.total
+    return size.total // world_size + size.root + 2 * size.block
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a job's models live: chosen by `choose_layout` from sizes alone, so a render (sizes of the models it
+    loaded) and `avatar plan` (sizes counted on meta for a machine it does not have) make the same choice."""
+
+    sharded: tuple[str, ...]  # FSDP2-sharded over the ranks; the rest replicated
+    offload: str  # none | model | block
+    shard_why: str
+    offload_why: str
+    device: Mapping[str, int]  # bytes each model holds on one rank's device while it runs (its stage)
+
+    def weights_peak(self) -> int:
+        """Weight bytes on one device at its fullest: every model (offload none), else the largest stage's and the
+        next stage's, prefetched during it (the two largest)."""
+        if self.offload == "none":
+            return sum(self.device.values())
+        return sum(sorted(self.device.values())[-2:])
+
+
+def choose_layout(sizes: Mapping[str, ModelBytes], plan: ParallelPlan, world: int, free_bytes: int | None,
+                  working_bytes: int, offload: str = "auto", shard: str = "auto", reshard: str = "per_block",
+                  can_offload: bool = True, unshardable: Collection[str] = ()) -> Layout:
+    """Shard or replicate (several ranks), then offload none / model / block, from the models' sizes and the
+    device's free memory (None: unknown, a CPU). can_offload: a device with a host to offload to (not a CPU);
+    unshardable: components FSDP2 cannot shard (quantized weights): replicated."""
+    if world > 1:
+        candidates = tuple(n for n in plan.sharded if n in sizes and n not in unshardable)
+        resident = {n: resident_bytes(sizes[n], world, reshard) for n in candidates}
+        sc = choose_sharding(candidates, {n: b.total for n, b in sizes.items()},
+                             world, free_bytes, working_bytes, shard, resident=resident)
+        sharded, shard_why = sc.sharded, sc.reason
+    else:
+        sharded, shard_why = (), "one rank: nothing to shard"
+    need = {n: resident_bytes(b, world, reshard) if n in sharded else b.total for n, b in sizes.items()}
+    if not can_offload:
+        return Layout(sharded, "none", shard_why, "no host to offload to (a CPU)", need)
+    choice, why = offload_choice(offload, _known(free_bytes), need, working_bytes)
+    device = dict(need)
+    for n, b in sizes.items():
+        if choice != "none" and n in sharded and b.blocks:
+            # FSDP2's CPU offload: the shard waits on the host; on the device, the root (kept gathered) and the
+            # running and the prefetched block, gathered
+            device[n] = b.root + 2 * b.block
+        elif choice == "block" and b.blocks:  # its root and two block buffers (no blocks: it comes in whole)
+            device[n] = b.root + 2 * b.block
+    return Layout(sharded, choice, shard_why, why, device)
 
 
 def plan_for(plan: ParallelPlan, names: Collection[str]) -> ParallelPlan:
@@ -107,7 +172,7 @@ def plan_for(plan: ParallelPlan, names: Collection[str]) -> ParallelPlan:
 def place(modules: Mapping[str, Module], runtime: Runtime, dist: Dist, offload: str = "auto",
           reshard: str = "per_block", working_bytes: int = 2 << 30, transfer: Transfer | None = None,
           free_bytes: int | None = None, plan: ParallelPlan | None = None, shard: str = "auto",
-          weights: str = "bf16") -> Placement:
+          weights: str = "bf16", offload_host: str = "auto", host_free: int | None = None) -> Placement:
     """Put each model where it runs, shard and offload as configured; returns what the stages enter.
 
     shard: auto | shard | replicate, for the plan's shardable models on several ranks (runtime/sharding.py):
@@ -119,6 +184,8 @@ def place(modules: Mapping[str, Module], runtime: Runtime, dist: Dist, offload: 
     weights: `runtime.weights`, bf16 | fp8 | int8: fp8 and int8 quantize the plan's `quantized` Linears first.
     transfer, free_bytes: the device behind offload; by default CUDA's (a side copy stream, and
     `mem_get_info`). Without a transfer on a CPU run nothing is offloaded.
+    offload_host: where block-offloaded blocks wait (runtime.offload_host: auto | pinned | mmap), chosen by
+    offload.host_tier_choice from host_free (default: the host's MemAvailable).
     """
     if transfer is None and runtime.is_cuda:
         transfer = CudaTransfer(runtime.device)
@@ -131,17 +198,19 @@ def place(modules: Mapping[str, Module], runtime: Runtime, dist: Dist, offload: 
     quantized = _quantize(modules, runtime, plan, weights)
     if dist.enabled:
         return _place_sharded(modules, runtime, dist, offload, reshard, working_bytes, transfer, free_bytes, plan,
-                              shard, quantized)
+                              shard, quantized, offload_host, host_free)
     if transfer is None:
         for name, module in modules.items():
             module.to(runtime.device, _dtype(name, runtime, plan))
             _after_load(module)
         return Placement()
 
-    sizes = {name: model_bytes(m.model) for name, m in modules.items()}
-    choice = choose_offload(offload, _known(free_bytes), sizes, working_bytes)
-    placement = Placement(offload=choice)
-    _offload_replicated(modules, runtime, choice, transfer, placement, plan)
+    layout = choose_layout({name: model_sizes(m.model) for name, m in modules.items()}, plan, 1, free_bytes,
+                           working_bytes, offload)
+    log.info("offload: %s", layout.offload_why)
+    placement = Placement(offload=layout.offload)
+    tier = _host_tier(modules, layout.offload, offload_host, host_free, 1)
+    _offload_replicated(modules, runtime, layout.offload, transfer, placement, plan, tier)
     return placement
 
 
@@ -171,7 +240,8 @@ def _dtype(name: str, runtime: Runtime, plan: ParallelPlan) -> torch.dtype:
 
 def _place_sharded(modules: Mapping[str, Module], runtime: Runtime, dist: Dist, offload: str, reshard: str,
                    working_bytes: int, transfer: Transfer | None, free_bytes: int | None,
-                   plan: ParallelPlan, shard: str = "auto", quantized: tuple[str, ...] = ()) -> Placement:
+                   plan: ParallelPlan, shard: str = "auto", quantized: tuple[str, ...] = (),
+                   offload_host: str = "auto", host_free: int | None = None) -> Placement:
     """FSDP2 for the transformers, sequence parallel for the DiT; offload (if chosen) from the outside of both.
     quantized: components whose weights are quantized, which FSDP2 cannot shard: replicated."""
     try:
@@ -185,17 +255,14 @@ def _place_sharded(modules: Mapping[str, Module], runtime: Runtime, dist: Dist, 
                          "runtime.weights: bf16")
     if unshardable:
         log.info("placement: %s replicated (quantized weights are not sharded)", ", ".join(unshardable))
-    full = {name: model_bytes(m.model) for name, m in modules.items()}
-    candidates = tuple(n for n in plan.sharded if n not in quantized)
-    shard_choice = choose_sharding(candidates, full, dist.world_size, free_bytes, working_bytes, shard)
-    SHARDED = shard_choice.sharded
-    if set(candidates) - set(SHARDED):
-        log.info("placement: %s", shard_choice.reason)
-    choice = "none"
+    layout = choose_layout({name: model_sizes(m.model) for name, m in modules.items()}, plan, dist.world_size,
+                           free_bytes, working_bytes, offload, shard, reshard, can_offload=transfer is not None,
+                           unshardable=quantized)
+    SHARDED, choice = layout.sharded, layout.offload
+    if set(plan.sharded) - set(SHARDED) - set(unshardable):
+        log.info("placement: %s", layout.shard_why)
     if transfer is not None:
-        sizes = {name: resident_bytes(m.model, dist.world_size, reshard) if name in SHARDED else model_bytes(m.model)
-                 for name, m in modules.items()}
-        choice = choose_offload(offload, _known(free_bytes), sizes, working_bytes)
+        log.info("offload: %s", layout.offload_why)
     placement = Placement(reshard_per_stage=reshard == "per_stage", offload=choice)
     param_dtype = gpu_param_dtype(runtime.device.type)
     for name in SHARDED:
@@ -211,7 +278,8 @@ def _place_sharded(modules: Mapping[str, Module], runtime: Runtime, dist: Dist, 
             materialize(module.model, module.index, home, _dtype(name, runtime, plan))
         _after_load(module)  # on this rank's rows, before the first all-gather
     replicated = {name: m for name, m in modules.items() if name not in SHARDED}
-    _offload_replicated(replicated, runtime, choice, transfer, placement, plan)
+    tier = _host_tier(replicated, choice, offload_host, host_free, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    _offload_replicated(replicated, runtime, choice, transfer, placement, plan, tier)
     if plan.sequence_parallel is not None:
         sp = modules[plan.sequence_parallel]
         sp.model = plan.sp_wrap(sp.model, dist.group)
@@ -223,13 +291,50 @@ def _place_sharded(modules: Mapping[str, Module], runtime: Runtime, dist: Dist, 
     return placement
 
 
+def mmap_blocker(module: Module) -> str | None:
+    """None when `module` can stream its blocks from its memory-mapped checkpoint, else why not."""
+    if not hasattr(module.model, "blocks"):
+        return f"{module.name} has no blocks"
+    if not module.is_lazy:
+        return f"{module.name} is not read lazily from a safetensors file"
+    if module.after_load is not None:
+        return "a LoRA is merged into the DiT's weights at load, so they are not the file's"
+    if any(info.span is None for info in module.index.tensors.values()):
+        return f"{module.name}'s checkpoint is not safetensors"
+    return None
+
+
+def _host_tier(modules: Mapping[str, Module], choice: str, setting: str, host_free: int | None,
+               local_ranks: int) -> str:
+    """runtime.offload_host for this placement: "pinned" or "mmap" (only under block offload)."""
+    if choice != "block":
+        return "pinned"
+    blockers = [mmap_blocker(m) for m in modules.values() if hasattr(m.model, "blocks")]
+    mappable = None if any(b is None for b in blockers) else (blockers[0] if blockers else "no model has blocks")
+    pinned = local_ranks * sum(_stored(m.model) for m in modules.values())
+    if host_free is None:
+        host_free = host_available()
+    try:
+        tier, why = host_tier_choice(setting, host_free, pinned, mappable)
+    except ValueError as e:
+        raise InputError(str(e)) from None
+    log.info("offload host: %s", why)
+    return tier
+
+
 def _offload_replicated(modules: Mapping[str, Module], runtime: Runtime, choice: str, transfer: Transfer | None,
-                        placement: Placement, plan: ParallelPlan) -> None:
-    """Whole models on the device ("none"), or in host slabs that stages bring in ("model", "block")."""
+                        placement: Placement, plan: ParallelPlan, tier: str = "pinned") -> None:
+    """Whole models on the device ("none"), or in host slabs that stages bring in ("model", "block"); with the
+    mmap tier, the blocks of a lazily read model stay in its memory-mapped checkpoint."""
     for name, module in modules.items():
         if choice == "none":
             module.to(runtime.device, _dtype(name, runtime, plan))
             _after_load(module)
+            continue
+        if choice == "block" and tier == "mmap" and mmap_blocker(module) is None:
+            placement.offloaders[name] = BlockOffloader(module.model, transfer, name=name,
+                                                        mapped=MappedCheckpoint(module.index.tensors),
+                                                        dtype=_dtype(name, runtime, plan))
             continue
         module.to("cpu", _dtype(name, runtime, plan))
         _after_load(module)  # before the offloader takes the weights into its host slabs

@@ -20,17 +20,21 @@ class ShardChoice:
 
 
 def choose_sharding(candidates: tuple[str, ...], sizes: Mapping[str, int], world: int, free_bytes: int | None,
-                    working_bytes: int, mode: str = "auto") -> ShardChoice:
+                    working_bytes: int, mode: str = "auto", resident: Mapping[str, int] | None = None) -> ShardChoice:
     """candidates: the family's shardable components (its ParallelPlan.sharded), biggest benefit first.
     sizes: every component's bytes at the runtime dtype. free_bytes: the device's free memory (None: unknown,
-    as on a CPU). working_bytes: activations and workspace to keep free.
+    as on a CPU). working_bytes: activations and workspace to keep free. resident: each candidate's bytes on one
+    rank while it runs when sharded (placement.resident_bytes: its shard and gathered blocks); by default an
+    estimate, 1/world plus 1/40 of it.
 
     mode "shard" / "replicate" force the choice; "auto" replicates as many candidates (in order) as fit
     beside everything else, and shards the rest."""
     if mode not in ("auto", "shard", "replicate"):
         raise ValueError(f"runtime.shard must be auto, shard or replicate, not {mode!r}")
-    if world <= 1 or not candidates:
+    if world <= 1:
         return ShardChoice((), "one rank: nothing to shard")
+    if not candidates:
+        return ShardChoice((), "nothing the family shards is loaded: every model replicated")
     if mode == "shard":
         return ShardChoice(candidates, "runtime.shard: shard")
     if mode == "replicate":
@@ -41,11 +45,12 @@ def choose_sharding(candidates: tuple[str, ...], sizes: Mapping[str, int], world
     sharded = list(candidates)
     replicated: list[str] = []
 
+    shard_bytes = dict(resident or {})
+    for n in candidates:
+        shard_bytes.setdefault(n, sizes[n] // world + sizes[n] // 40)
+
     def need() -> int:
-        # Replicas whole; shards 1/world each plus roughly one gathered block's worth (1/40 of the model)
-        # while it runs: an estimate, the exact figure is the placement's resident_bytes.
-        return (others + sum(sizes[n] for n in replicated)
-                + sum(sizes[n] // world + sizes[n] // 40 for n in sharded) + working_bytes)
+        return others + sum(sizes[n] for n in replicated) + sum(shard_bytes[n] for n in sharded) + working_bytes
 
     for name in candidates:
         sharded.remove(name)

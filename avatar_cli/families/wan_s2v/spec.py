@@ -113,7 +113,24 @@ def lora(source: ModelSource, path: Path, rank: int, scale: float | None) -> Any
     return checked_lora(source.config.dit, path, rank, scale)
 
 
+def release_config() -> Any:
+    """The released Wan2.2-S2V-14B's sizes (its DiT config.json, the official umT5-XXL and VAE), without files: what
+    `avatar plan` counts for a job naming `model: wan-s2v-14b`."""
+    from avatar_cli.families.wan_s2v import model_dir
+    from avatar_cli.families.wan_s2v.dit import WanDiTParams
+
+    return model_dir.WanS2VConfig(Path("wan-s2v-14b"), wan_files.OFFICIAL, WanDiTParams.full(),
+                                  model_dir.VAE_PRESETS["release"], model_dir.T5_PRESETS["release"], "release", "release")
+
+
+def budget(config: Any, mode: str, size: tuple[int, int], dtype: Any, steps: int, guidance: float) -> Any:
+    from avatar_cli.families.wan_s2v.budget import budget as count
+
+    return count(config, mode, size, dtype, steps, guidance)
+
+
 WAN_S2V = FamilySpec(
     name="wan-s2v", family=family, recognises=wan_files.looks_like, read=read_config, check=check_model,
     load=load_modules, init=init_dir, param_count=param_count, report=report, weight_files=weight_files,
-    sizes=("tiny",), modes=MODES, prompt_identity=prompt_identity, lora=lora)
+    sizes=("tiny",), modes=MODES, prompt_identity=prompt_identity, lora=lora,
+    presets={"wan-s2v-14b": release_config}, budget=budget)

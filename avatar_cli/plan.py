@@ -1,0 +1,413 @@
+"""`avatar plan JOB --gpus 5x24GB`: the layout a render of JOB would choose on a machine you may not have yet, what
+it needs of each GPU and of the host, and how fast it would go, each choice with its reason.
+
+Nothing here decides anything of its own. The choices are the render's, made by the same functions from the same
+kind of input:
+- how the ranks split the work: job.resolve_parallel (pipeline/steps.py choose_parallel);
+- shard or replicate, offload none / model / block: runtime/placement.py choose_layout (runtime/sharding.py,
+  runtime/offload.py), fed the models' sizes as a render feeds it those of the models it loaded;
+- where the blocks wait under block offload: runtime/offload.py host_tier_choice;
+- where the decode runs: job.resolve_decode (stages/decode_worker.py choose);
+- the text encoder: the job's runtime.text_service and runtime.text_cache, as prompts/cache.py reads them.
+The sizes, activation peaks and FLOPs come from the family's budget (runtime/budget.py), every model built on the
+meta device at full size (families/wan_s2v/budget.py): no weights, no GPU. What a GPU would do with them (its peak
+FLOP/s, the link to the host) is an assumption, printed with the figures: the card's vendor peak at a utilisation
+(`--util`, default 40 %).
+
+A job names its model as for a render (a model directory), or by the release's size (`model: wan-s2v-14b`, or
+`--model wan-s2v-14b` here): someone with no weights yet plans against the size they would download.
+"""
+
+import math
+import re
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from avatar_cli.errors import InputError
+from avatar_cli.families.base import Step
+from avatar_cli.families.registry import resolve_model, with_mode
+from avatar_cli.job import Split, resolve_decode, resolve_parallel
+from avatar_cli.pipeline.steps import rank_skips
+from avatar_cli.runtime.budget import Budget, ModelBytes
+from avatar_cli.runtime.device import Runtime, auto_dtype
+from avatar_cli.runtime.offload import host_tier_choice
+from avatar_cli.runtime.placement import Layout, choose_layout, plan_for
+from avatar_cli.spec import Job
+
+GB = 1e9
+GIB = 2**30
+CUDA_CONTEXT = 1 * GB  # the CUDA context and cuBLAS/cuDNN workspaces: held on every GPU before any tensor
+HOST_RESERVE = 4 * GB  # the process itself, its libraries, the audio and the encoder: not counted below
+
+
+@dataclass(frozen=True)
+class Card:
+    """What the speed figures assume of a GPU: vendor figures, not measurements."""
+
+    name: str
+    bf16_tflops: float  # dense bf16 tensor-core peak
+    host_gbs: float  # host -> GPU copies from pinned memory (PCIe), GB/s
+    peer_gbs: float  # GPU <-> GPU for all-gathers and all-to-alls, GB/s one way
+
+
+# Keyed by memory (GiB): the card a plan for that size assumes unless told otherwise (--tflops, --link-gbs).
+CARDS = {
+    24: Card("RTX 4090 (24 GB, PCIe 4.0, no peer-to-peer)", 165.2, 25.0, 12.0),
+    32: Card("RTX 5090 (32 GB, PCIe 5.0)", 209.5, 50.0, 25.0),
+    40: Card("A100 40GB SXM", 312.0, 25.0, 300.0),
+    48: Card("L40S (48 GB, PCIe 4.0)", 362.0, 25.0, 12.0),
+    80: Card("H100 SXM (80 GB, NVLink 4)", 989.0, 50.0, 450.0),
+    141: Card("H200 SXM (141 GB, NVLink 4)", 989.0, 50.0, 450.0),
+}
+DISK_GBS = 3.0  # an NVMe SSD's sequential read: the mmap tier's rate when the page cache cannot hold the blocks
+
+
+@dataclass(frozen=True)
+class Machine:
+    gpus: int
+    gpu_bytes: int  # each GPU's memory (a "24GB" card has 24 GiB)
+    card: Card
+    host_bytes: int | None = None  # host memory; None: not given
+    disk_gbs: float = DISK_GBS
+
+    @property
+    def label(self) -> str:
+        return f"{self.gpus}x{self.gpu_bytes // GIB}GB"
+
+    @property
+    def usable(self) -> int:
+        return self.gpu_bytes - int(CUDA_CONTEXT)
+
+
+def parse_size(text: str, what: str) -> int:
+    """'24GB', '24G', '24' -> bytes (GiB: memory is sold in binary units)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(?:gb|gib|g)?\s*", text, re.IGNORECASE)
+    if not m or float(m.group(1)) <= 0:
+        raise InputError(f"{what}: '{text}': expected a size such as 24GB")
+    return int(float(m.group(1)) * GIB)
+
+
+def machine(gpus: str, host_memory: str | None = None, tflops: float | None = None, link_gbs: float | None = None,
+            disk_gbs: float = DISK_GBS) -> Machine:
+    """`--gpus NxSIZE` (5x24GB, 1x80GB), the host's memory, and what to assume of the card."""
+    m = re.fullmatch(r"\s*(\d+)\s*[x×*]\s*(.+)", gpus, re.IGNORECASE)
+    if not m or int(m.group(1)) < 1:
+        raise InputError(f"--gpus: '{gpus}': expected COUNTxSIZE, such as 1x24GB or 8x80GB")
+    n, size = int(m.group(1)), parse_size(m.group(2), "--gpus")
+    card = CARDS.get(round(size / GIB))
+    if card is None:
+        if tflops is None:
+            raise InputError(f"--gpus: no card of {size / GIB:g} GB is known here ({', '.join(f'{k}GB' for k in CARDS)}"
+                             "): give its bf16 peak with --tflops")
+        card = Card(f"a {size / GIB:g} GB card", tflops, 25.0, 12.0)
+    if tflops is not None or link_gbs is not None:
+        card = replace(card, name=card.name + " (figures as given)", bf16_tflops=tflops or card.bf16_tflops,
+                       peer_gbs=link_gbs or card.peer_gbs)
+    host = parse_size(host_memory, "--host-memory") if host_memory else None
+    return Machine(n, size, card, host, disk_gbs)
+
+
+@dataclass
+class RankPlan:
+    """One kind of rank: its models' layout and what it holds on its GPU at its fullest."""
+
+    role: str  # "every rank", "a step rank", "the decode rank"
+    count: int
+    models: list[str]
+    sharded: list[str]
+    offload: str
+    shard_why: str
+    offload_why: str
+    weights_bytes: int  # model weights on the device at its fullest
+    state_bytes: int  # rolling state kept between chunks
+    work_bytes: int  # the largest stage's activations
+    worker_bytes: int = 0  # a decode worker sharing this GPU
+    host_bytes: int = 0  # what this rank keeps in host memory (offloaded weights, pinned or staging)
+
+    @property
+    def gpu_bytes(self) -> int:
+        return int(CUDA_CONTEXT) + self.weights_bytes + self.state_bytes + self.work_bytes + self.worker_bytes
+
+
+@dataclass
+class Plan:
+    job: str
+    model: str
+    family: str
+    mode: str
+    size: tuple[int, int]
+    machine: str
+    card: str
+    utilisation: float
+    parallel: str
+    parallel_why: str
+    decode: str
+    decode_why: str
+    text: str
+    text_why: str
+    weights: str
+    weights_why: str
+    host_tier: str
+    host_tier_why: str
+    ranks: list[RankPlan]
+    gpu_bytes: int  # the fullest GPU
+    gpu_capacity: int
+    host_bytes: int  # host memory the layout needs (with HOST_RESERVE)
+    host_capacity: int | None
+    fits: bool
+    speed: dict  # clip mode: seconds per clip; streaming: fps; with how each term was worked out
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["ranks"] = [{**asdict(r), "gpu_bytes": r.gpu_bytes} for r in self.ranks]
+        return d
+
+
+def plan_source(job: Job):
+    """The job's model in its mode (a size name resolves too: `model: wan-s2v-14b`); no LoRA file is opened."""
+    source = job.source if job.source is not None else resolve_model(job.model, job.path.parent)  # says why not
+    return with_mode(source, job.spec.mode)
+
+
+def _frame_size(job: Job, family) -> tuple[int, int]:
+    """The size the render generates at: video.width/height, else from the reference's aspect (its header only;
+    the family's native aspect when the file is not there yet)."""
+    v = job.spec.video
+    requested = (v.width, v.height) if v.width else None
+    try:
+        from PIL import Image  # the header only: no pixels decoded
+
+        with Image.open(job.reference) as im:
+            wh = im.size
+    except OSError:
+        wh = family.geometry.native_size
+    try:
+        return family.frame_size(wh, requested)
+    except ValueError as e:
+        raise InputError(f"{job.path}: {e}") from None
+
+
+def _text_choice(job: Job) -> tuple[str, str]:
+    rt = job.spec.runtime
+    if rt.text_service.url:
+        return "service", f"runtime.text_service: {rt.text_service.url} encodes prompts; no render loads the encoder"
+    if rt.text_cache != "off":
+        return "cache", ("runtime.text_cache: a cached prompt's render never loads the text encoder; "
+                         "`avatar prompts encode JOB` fills the cache first (the encoder alone on one GPU, below)")
+    return "load", "runtime.text_cache: off: every render loads the text encoder beside the DiT"
+
+
+def _rank(role: str, count: int, sizes: dict[str, ModelBytes], job: Job, family, world: int, free: int,
+          state: int, work: int, worker: int = 0) -> tuple[RankPlan, Layout]:
+    rt = job.spec.runtime
+    layout = choose_layout(sizes, plan_for(family.parallel, sizes), world, free, state + work + worker,
+                           rt.offload.value, rt.shard.value, rt.reshard.value)
+    return RankPlan(role, count, sorted(sizes), list(layout.sharded), layout.offload, layout.shard_why,
+                    layout.offload_why, layout.weights_peak(), state, work, worker), layout
+
+
+def _host_tier(job: Job, m: Machine, ranks: list[RankPlan], sizes: dict[str, ModelBytes], source, layouts
+               ) -> tuple[str, str]:
+    """Fill in each rank's host bytes under the tier the render would choose, and return (tier, why)."""
+    pinned = {}
+    for r, lay in zip(ranks, layouts):
+        per = 0
+        for n in r.models:
+            if lay.offload == "none":
+                continue
+            # FSDP2's CPU offload keeps a rank's shard on the host; an offloaded replica is there whole.
+            per += sizes[n].total // (r.count if n in lay.sharded else 1) if n in lay.sharded else sizes[n].total
+        pinned[r.role] = per
+    total_pinned = sum(pinned[r.role] * r.count for r in ranks)
+    blocked = any(lay.offload == "block" for lay in layouts)
+    mappable = None
+    if source.lora is not None or job.lora is not None:
+        mappable = "a LoRA is merged into the DiT's weights at load, so they are not the file's"
+    elif not blocked:
+        mappable = "no model is streamed block by block"
+    setting = job.spec.runtime.offload_host.value
+    if not blocked and setting == "auto":
+        tier, why = ("pinned", "idle models wait in pinned host memory") if total_pinned else ("", "nothing offloaded")
+    else:
+        try:
+            tier, why = host_tier_choice(setting, m.host_bytes, total_pinned + int(HOST_RESERVE), mappable)
+        except ValueError as e:
+            raise InputError(str(e)) from None
+    for r, lay in zip(ranks, layouts):
+        r.host_bytes = pinned[r.role]
+        if tier == "mmap" and lay.offload == "block":
+            dit = sizes.get("dit")
+            if dit is not None and "dit" in r.models and "dit" not in lay.sharded:
+                # the blocks stay in the file; a staging pair of the largest block in pinned memory
+                r.host_bytes += 2 * dit.block - dit.blocks_total
+    return tier, why
+
+
+def _forward_s(b: Budget, m: Machine, util: float, ranks: int, r: RankPlan, sizes: dict[str, ModelBytes],
+               tier: str, host_free: int | None) -> tuple[float, str]:
+    """One DiT forward on `ranks` GPUs: compute, or the copies that feed it where they take longer (they overlap)."""
+    compute = b.forward_flops / (ranks * util * m.card.bf16_tflops * 1e12)
+    dit = sizes["dit"]
+    how = f"compute {compute:.3f} s ({b.forward_flops / 1e12:.1f} TFLOP at {util:.0%} of {m.card.bf16_tflops:g} TFLOP/s"
+    how += f" x {ranks})" if ranks > 1 else ")"
+    moved, rate, what = 0.0, 1.0, ""
+    if "dit" in r.sharded:
+        gather = dit.blocks_total * (ranks - 1) / ranks
+        t = gather / (m.card.peer_gbs * GB)
+        how += f"; all-gather {gather / GB:.1f} GB at {m.card.peer_gbs:g} GB/s"
+        if r.offload != "none":  # and before it, the rank's shard from the host
+            t += dit.blocks_total / ranks / (m.card.host_gbs * GB)
+            how += f" after the shard's copy from the host ({dit.blocks_total / ranks / GB:.1f} GB at {m.card.host_gbs:g} GB/s)"
+        how += f" = {t:.3f} s"
+        return max(compute, t), how
+    elif r.offload == "block" and "dit" in r.models:
+        moved, rate, what = dit.blocks_total, m.card.host_gbs, "block copies from pinned memory"
+        if tier == "mmap":
+            cached = host_free is not None and host_free - r.host_bytes * r.count - HOST_RESERVE >= dit.blocks_total
+            rate = min(m.card.host_gbs, 10.0) if cached else m.disk_gbs
+            what = ("block copies from the page cache" if cached else
+                    f"block reads from disk at {m.disk_gbs:g} GB/s (the page cache cannot hold the blocks)")
+    if not moved:
+        return compute, how
+    t = moved / (rate * GB)
+    how += f"; {what}: {moved / GB:.1f} GB at {rate:g} GB/s = {t:.3f} s"
+    return max(compute, t), how
+
+
+def _speed(b: Budget, m: Machine, util: float, p_split: str, decode: str, ranks: list[RankPlan],
+           sizes: dict[str, ModelBytes], tier: str) -> dict:
+    dit_rank = next(r for r in ranks if "dit" in r.models)
+    world = m.gpus if p_split == "sequence" else 1
+    fwd, how = _forward_s(b, m, util, world, dit_rank, sizes, tier, m.host_bytes)
+    # The VAE runs in float32: its convolutions as TF32, half the bf16 rate on these cards; whole on one GPU.
+    dec = b.decode_flops / (util * m.card.bf16_tflops / 2 * 1e12)
+    video_s = b.chunk_frames / b.fps
+    if b.mode == "streaming":
+        block = b.forwards * fwd
+        if p_split == "steps":
+            per, why = max(fwd, dec), "one block leaves the line per step-forward; the decode rank keeps pace"
+        elif decode == "worker":
+            per, why = max(block, dec), "the decode overlaps the next block's forwards"
+        else:
+            per, why = block + dec, "forwards, then the decode, one after the other"
+        fps = b.chunk_frames / per
+        return {"fps": round(fps, 2), "realtime": fps >= b.fps, "forward_s": round(fwd, 4), "decode_s": round(dec, 4),
+                "forward": how, "why": f"{b.chunk_frames} frames per block, {b.forwards} forwards; {why}"}
+    clip = b.forwards * fwd + dec
+    return {"clip_s": round(clip, 1), "video_s_per_clip": video_s, "seconds_per_video_second": round(clip / video_s, 2),
+            "forward_s": round(fwd, 4), "decode_s": round(dec, 3), "forward": how,
+            "why": f"{b.forwards} DiT forwards per {b.chunk_frames}-frame clip, then its decode and motion re-encode "
+                   "(the next clip waits on them)"}
+
+
+def make_plan(job: Job, m: Machine, util: float = 0.4) -> Plan:
+    """The plan for `job` on `m` (the job loaded as for a render; `model=wan-s2v-14b` names the release's size)."""
+    if not 0 < util <= 1:
+        raise InputError(f"--util: {util}: expected a share of the peak in (0, 1]")
+    source = plan_source(job)
+    spec = source.spec
+    if spec.budget is None:
+        raise InputError(f"plan: the {spec.name} family has no budget to plan with (it renders on a CPU; "
+                         "`avatar render` runs it anywhere)")
+    family = source.family
+    rt = job.spec.runtime
+    dtype, dtype_why = (auto_dtype("cuda") if rt.dtype.value == "auto"
+                        else (getattr(torch, rt.dtype.value), "asked for"))
+    runtime = Runtime(torch.device("cuda"), dtype, dtype_why)
+    split, split_why = resolve_parallel(job, source, m.gpus)
+    size = _frame_size(job, family)
+    sp = job.spec.sampling
+    b: Budget = spec.budget(source.config, source.mode, size, dtype, sp.steps, sp.guidance)
+    text, text_why = _text_choice(job)
+    text_names = set(family.needs[Step.prompt])
+    loaded = {n: b.models[n] for n in family.components if text == "load" or n not in text_names}
+    decode, decode_why = resolve_decode(job, family, runtime, split)
+    free = m.usable
+    decoder = set(family.needs[Step.decode])
+    dec_state = b.decode_state  # whole, on the GPU that decodes
+    worker = 0
+    if decode == "worker":  # its own process on rank 0's GPU: the decode's models, its cache and its peak
+        worker = sum(b.models[n].total for n in decoder) + dec_state + b.decode_peak
+    ranks, layouts = [], []
+    if split == Split.steps:
+        for role, rank, count in (("a step rank", 1, m.gpus - 1), ("the decode rank", 0, 1)):
+            keep = {n: s for n, s in loaded.items() if n not in rank_skips(family, rank)}
+            state, work = ((b.step_state, b.a2v_peak) if rank else (dec_state, b.decode_peak))
+            r, lay = _rank(role, count, keep, job, family, 1, free, state, work)
+            ranks.append(r)
+            layouts.append(lay)
+    else:
+        world = m.gpus
+        state = b.state // world + (b.decode_state if decode == "inline" else 0)  # rings and sink split by heads
+        work = max(b.a2v_peak // world, b.decode_peak if decode == "inline" else 0)
+        r, lay = _rank("every rank" if world > 1 else "the GPU", world, loaded, job, family, world, free, state, work,
+                       worker)
+        ranks.append(r)
+        layouts.append(lay)
+    tier, tier_why = _host_tier(job, m, ranks, loaded, source, layouts)
+    gpu = max(r.gpu_bytes for r in ranks)
+    host = sum(r.host_bytes * r.count for r in ranks) + int(HOST_RESERVE)
+    fits = gpu <= m.gpu_bytes and (m.host_bytes is None or host <= m.host_bytes)
+    speed = _speed(b, m, util, split.value, decode, ranks, loaded, tier)
+    notes = list(b.notes)
+    if text == "cache" and text_names:
+        t = sum(b.models[n].total for n in text_names)
+        notes.append(f"`avatar prompts encode` loads the text encoder alone: {t / GB:.1f} GB "
+                     f"({'fits' if t + CUDA_CONTEXT < m.gpu_bytes else 'does not fit'} one GPU)")
+    if gpu > m.gpu_bytes:
+        notes.append(f"does not fit: the fullest GPU needs {gpu / GB:.1f} GB of {m.gpu_bytes / GB:.1f} GB")
+    if m.host_bytes is not None and host > m.host_bytes:
+        notes.append(f"does not fit: the host needs {host / GB:.1f} GB of {m.host_bytes / GB:.1f} GB")
+    return Plan(job=str(job.path), model=source.name, family=spec.name, mode=source.mode, size=size,
+                machine=m.label, card=m.card.name, utilisation=util, parallel=split.value, parallel_why=split_why,
+                decode=decode, decode_why=decode_why, text=text, text_why=text_why,
+                weights=_dtype_label(dtype), weights_why=f"runtime.dtype: {dtype_why}", host_tier=tier,
+                host_tier_why=tier_why, ranks=ranks, gpu_bytes=gpu, gpu_capacity=m.gpu_bytes, host_bytes=host,
+                host_capacity=m.host_bytes, fits=fits, speed=speed, notes=notes)
+
+
+def _dtype_label(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(dtype, str(dtype))
+
+
+def format_plan(p: Plan) -> str:
+    """The plan in words, one choice a line with its reason."""
+    w, h = p.size
+    lines = [f"plan: {p.job} on {p.machine} ({p.card}); {p.family} {p.mode} mode ({p.model}) at {w}x{h}"]
+    lines.append(f"  split     {p.parallel:9} {p.parallel_why}")
+    for r in p.ranks:
+        who = f"{r.role} (x{r.count})" if r.count > 1 else r.role
+        lines.append(f"  {who}: {', '.join(r.models)}")
+        lines.append(f"    shard   {', '.join(r.sharded) or 'none':9} {r.shard_why}")
+        lines.append(f"    offload {r.offload:9} {r.offload_why}")
+        lines.append(f"    memory  {r.gpu_bytes / GB:6.1f} GB of {p.gpu_capacity / GB:.1f}: weights "
+                     f"{r.weights_bytes / GB:.1f}, state {r.state_bytes / GB:.1f}, activations {r.work_bytes / GB:.1f}"
+                     + (f", decode worker {r.worker_bytes / GB:.1f}" if r.worker_bytes else "")
+                     + f", CUDA context {CUDA_CONTEXT / GB:.1f}")
+    lines.append(f"  weights   {p.weights:9} {p.weights_why}")
+    if p.host_tier:
+        lines.append(f"  host tier {p.host_tier:9} {p.host_tier_why}")
+    lines.append(f"  decode    {p.decode:9} {p.decode_why}")
+    lines.append(f"  text      {p.text:9} {p.text_why}")
+    cap = f" of {p.host_capacity / GB:.1f}" if p.host_capacity else ""
+    lines.append(f"  host      {p.host_bytes / GB:.1f} GB{cap} (offloaded weights, and {HOST_RESERVE / GB:.0f} GB for "
+                 "the process)")
+    s = p.speed
+    if "fps" in s:
+        lines.append(f"  speed     {s['fps']:.1f} fps ({'real time' if s['realtime'] else 'slower than real time'}) "
+                     f"at {p.utilisation:.0%} of the card's bf16 peak: {s['why']}")
+    else:
+        lines.append(f"  speed     {s['clip_s']:.1f} s per {s['video_s_per_clip']:g} s clip "
+                     f"({s['seconds_per_video_second']:.1f} s per second of video) at {p.utilisation:.0%} of the "
+                     f"card's bf16 peak: {s['why']}")
+    lines.append(f"            a forward: {s['forward']}")
+    lines.extend(f"  note: {n}" for n in p.notes)
+    lines.append("  fits" if p.fits else "  DOES NOT FIT")
+    return "\n".join(lines)
+
+
+def ceil_gb(n: int) -> int:
+    return math.ceil(n / GB)
