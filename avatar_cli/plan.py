@@ -203,8 +203,9 @@ def _text_choice(job: Job) -> tuple[str, str]:
 def _rank(role: str, count: int, sizes: dict[str, ModelBytes], job: Job, family, world: int, free: int,
           state: int, work: int, worker: int = 0) -> tuple[RankPlan, Layout]:
     rt = job.spec.runtime
+    quantized = [n for n, _ in family.parallel.quantized] if rt.weights.value != "bf16" else []
     layout = choose_layout(sizes, plan_for(family.parallel, sizes), world, free, state + work + worker,
-                           rt.offload.value, rt.shard.value, rt.reshard.value)
+                           rt.offload.value, rt.shard.value, rt.reshard.value, unshardable=quantized)
     return RankPlan(role, count, sorted(sizes), list(layout.sharded), layout.offload, layout.shard_why,
                     layout.offload_why, layout.weights_peak(), state, work, worker), layout
 
@@ -226,6 +227,8 @@ def _host_tier(job: Job, m: Machine, ranks: list[RankPlan], sizes: dict[str, Mod
     mappable = None
     if source.lora is not None or job.lora is not None:
         mappable = "a LoRA is merged into the DiT's weights at load, so they are not the file's"
+    elif job.spec.runtime.weights.value != "bf16":
+        mappable = f"runtime.weights: {job.spec.runtime.weights.value} quantizes the weights at load"
     elif not blocked:
         mappable = "no model is streamed block by block"
     setting = job.spec.runtime.offload_host.value
@@ -320,7 +323,8 @@ def make_plan(job: Job, m: Machine, util: float = 0.4) -> Plan:
     split, split_why = resolve_parallel(job, source, m.gpus)
     size = _frame_size(job, family)
     sp = job.spec.sampling
-    b: Budget = spec.budget(source.config, source.mode, size, dtype, sp.steps, sp.guidance)
+    weights = rt.weights.value
+    b: Budget = spec.budget(source.config, source.mode, size, dtype, sp.steps, sp.guidance, weights)
     text, text_why = _text_choice(job)
     text_names = set(family.needs[Step.prompt])
     loaded = {n: b.models[n] for n in family.components if text == "load" or n not in text_names}
@@ -364,9 +368,19 @@ def make_plan(job: Job, m: Machine, util: float = 0.4) -> Plan:
     return Plan(job=str(job.path), model=source.name, family=spec.name, mode=source.mode, size=size,
                 machine=m.label, card=m.card.name, utilisation=util, parallel=split.value, parallel_why=split_why,
                 decode=decode, decode_why=decode_why, text=text, text_why=text_why,
-                weights=_dtype_label(dtype), weights_why=f"runtime.dtype: {dtype_why}", host_tier=tier,
+                weights=weights if weights != "bf16" else _dtype_label(dtype), weights_why=_weights_why(weights, b, dtype_why),
+                host_tier=tier,
                 host_tier_why=tier_why, ranks=ranks, gpu_bytes=gpu, gpu_capacity=m.gpu_bytes, host_bytes=host,
                 host_capacity=m.host_bytes, fits=fits, speed=speed, notes=notes)
+
+
+def _weights_why(weights: str, b: Budget, dtype_why: str) -> str:
+    dit = b.models["dit"]
+    if weights == "bf16":
+        return (f"runtime.weights: bf16 (as loaded; runtime.dtype: {dtype_why}): the DiT {dit.total / GB:.1f} GB; "
+                "fp8 or int8 would about halve it")
+    return (f"runtime.weights: {weights}: the DiT's block Linears quantized at load (torchao), {dit.total / GB:.1f} "
+            "GB; quantized weights are replicated, never sharded")
 
 
 def _dtype_label(dtype: torch.dtype) -> str:

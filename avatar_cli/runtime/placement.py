@@ -145,6 +145,10 @@ def choose_layout(sizes: Mapping[str, ModelBytes], plan: ParallelPlan, world: in
         sc = choose_sharding(candidates, {n: b.total for n, b in sizes.items()},
                              world, free_bytes, working_bytes, shard, resident=resident)
         sharded, shard_why = sc.sharded, sc.reason
+        held = [n for n in plan.sharded if n in sizes and n in unshardable]
+        if held:
+            shard_why = f"{', '.join(held)} replicated: quantized weights are not sharded; " + (
+                shard_why if candidates else "nothing else to shard")
     else:
         sharded, shard_why = (), "one rank: nothing to shard"
     need = {n: resident_bytes(b, world, reshard) if n in sharded else b.total for n, b in sizes.items()}

@@ -2,7 +2,8 @@
 sizes a layout with, for a model directory or for the release's size named without weights (`wan-s2v-14b`).
 
 - Parameters: the DiT and umT5 built on meta from the config and counted in the runtime dtype, the VAE and wav2vec2
-  in float32 (the family's ParallelPlan.float32); the DiT's and umT5's blocks as block offload and FSDP2 see them.
+  in float32 (the family's ParallelPlan.float32); the DiT's and umT5's blocks as block offload and FSDP2 see them;
+  with `runtime.weights: fp8 | int8`, the DiT's quantized Linears as torchao lays them out (runtime/quantize.py).
 - Clip mode (the official loop): one DiT forward over one 80-frame clip with its motion latents (tokens from the
   frame size), its activations counted with fused attention (runtime/meta_count.py) and its FLOPs with
   FlopCounterMode; sampling.steps forwards per clip, twice with guidance. The decode as the family runs it:
@@ -20,25 +21,41 @@ import torch
 from avatar_cli.families.wan_s2v import causal
 from avatar_cli.families.wan_s2v.components import UMT5Text
 from avatar_cli.families.wan_s2v.dit import WanDiTParams, WanS2VDiT
-from avatar_cli.families.wan_s2v.family import CLIP_FRAMES, NATIVE_FPS, PUT_LATENTS
+from avatar_cli.families.wan_s2v.family import CLIP_FRAMES, NATIVE_FPS, PUT_LATENTS, QUANTIZED
 from avatar_cli.families.wan_s2v.text import UMT5Params
 from avatar_cli.families.wan_s2v.vae import WanVAE, WanVAEParams
 from avatar_cli.runtime.budget import Budget, ModelBytes
 from avatar_cli.runtime.device import dtype_name
 from avatar_cli.runtime.flops import flop_counter
 from avatar_cli.runtime.meta_count import n_bytes, on_meta, peak_bytes
+from avatar_cli.runtime.quantize import tensor_bytes
 
 TEXT_TOKENS = 128  # a prompt's trimmed tokens (the DiT pads to text_len: the count moves nothing but the embedder)
 
 
-def _blocked(model: torch.nn.Module, blocks, dtype: torch.dtype) -> ModelBytes:
-    sizes = [n_bytes(b) for b in blocks]
-    return ModelBytes(n_bytes(model), dtype_name(dtype), len(sizes), max(sizes), sum(sizes))
+def _blocked(model: torch.nn.Module, blocks, dtype: torch.dtype, weights: str = "bf16",
+             paths: tuple[str, ...] | None = None) -> ModelBytes:
+    """A model's bytes and its blocks', under `runtime.weights` (the Linears under `paths` quantized as torchao lays
+    them out, counted on meta by runtime/quantize.py; None: the family keeps it in `dtype`)."""
+    per_name = tensor_bytes(model, weights if paths is not None else "bf16", paths or (), dtype)
+    where = {id(m): name for name, m in model.named_modules()}
+    sizes = []
+    for b in blocks:
+        prefix = where[id(b)] + "."
+        sizes.append(sum(n for name, n in per_name.items() if name.startswith(prefix)))
+    label = weights if paths is not None and weights != "bf16" else dtype_name(dtype)
+    return ModelBytes(sum(per_name.values()), label, len(sizes), max(sizes), sum(sizes))
 
 
 @functools.lru_cache(maxsize=2)
 def _dit(p: WanDiTParams, dtype: torch.dtype) -> WanS2VDiT:
     return on_meta(WanS2VDiT, p, dtype)
+
+
+@functools.lru_cache(maxsize=4)
+def _dit_bytes(p: WanDiTParams, dtype: torch.dtype, weights: str, paths: tuple[str, ...] | None) -> ModelBytes:
+    dit = _dit(p, dtype)
+    return _blocked(dit, dit.blocks, dtype, weights, paths)
 
 
 @functools.lru_cache(maxsize=2)
@@ -123,14 +140,14 @@ def _block_forward(p: WanDiTParams, dtype: torch.dtype, lat_h: int, lat_w: int) 
     return peak_bytes(forward), _flops(forward), rings, 2 * c.sink_k.numel() * c.sink_k.element_size()
 
 
-def budget(config, mode: str, size: tuple[int, int], dtype: torch.dtype, steps: int, guidance: float) -> Budget:
-    """The family's budget at `size` (width, height), its DiT and umT5 in `dtype`; config: a WanS2VConfig (a
-    directory's, or the release's preset)."""
+def budget(config, mode: str, size: tuple[int, int], dtype: torch.dtype, steps: int, guidance: float,
+           weights: str = "bf16") -> Budget:
+    """The family's budget at `size` (width, height), its DiT and umT5 in `dtype`, the DiT's Linears under
+    `runtime.weights`; config: a WanS2VConfig (a directory's, or the release's preset)."""
     p: WanDiTParams = config.dit
     w, h = size
     lat_h, lat_w = h // 8, w // 8
-    dit = _dit(p, dtype)
-    models = {"dit": _blocked(dit, dit.blocks, dtype), "text": _t5_bytes(config.t5, dtype),
+    models = {"dit": _dit_bytes(p, dtype, weights, dict(QUANTIZED).get("dit")), "text": _t5_bytes(config.t5, dtype),
               "audio": _w2v_bytes(p.audio_dim),
               "vae": ModelBytes(n_bytes(on_meta(WanVAE, config.vae, torch.float32)), "float32")}
     if mode == "streaming":

@@ -123,10 +123,11 @@ def release_config() -> Any:
                                   model_dir.VAE_PRESETS["release"], model_dir.T5_PRESETS["release"], "release", "release")
 
 
-def budget(config: Any, mode: str, size: tuple[int, int], dtype: Any, steps: int, guidance: float) -> Any:
+def budget(config: Any, mode: str, size: tuple[int, int], dtype: Any, steps: int, guidance: float,
+           weights: str = "bf16") -> Any:
     from avatar_cli.families.wan_s2v.budget import budget as count
 
-    return count(config, mode, size, dtype, steps, guidance)
+    return count(config, mode, size, dtype, steps, guidance, weights)
 
 
 WAN_S2V = FamilySpec(
