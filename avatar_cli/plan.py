@@ -145,6 +145,7 @@ class Plan:
     parallel_why: str
     decode: str
     decode_why: str
+    vae_dtype: str  # the decode's dtype (runtime.vae_dtype)
     text: str
     text_why: str
     weights: str
@@ -285,8 +286,8 @@ def _speed(b: Budget, m: Machine, util: float, p_split: str, decode: str, ranks:
     dit_rank = next(r for r in ranks if "dit" in r.models)
     world = m.gpus if p_split == "sequence" else 1
     fwd, how = _forward_s(b, m, util, world, dit_rank, sizes, tier, m.host_bytes)
-    # The VAE runs in float32: its convolutions as TF32, half the bf16 rate on these cards; whole on one GPU.
-    dec = b.decode_flops / (util * m.card.bf16_tflops / 2 * 1e12)
+    # The VAE in float32 runs its convolutions as TF32, half the bf16 rate on these cards; whole on one GPU.
+    dec = b.decode_flops / (util * m.card.bf16_tflops / (2 if b.models["vae"].dtype == "float32" else 1) * 1e12)
     video_s = b.chunk_frames / b.fps
     if b.mode == "streaming":
         block = b.forwards * fwd
@@ -324,7 +325,9 @@ def make_plan(job: Job, m: Machine, util: float = 0.4) -> Plan:
     size = _frame_size(job, family)
     sp = job.spec.sampling
     weights = rt.weights.value
-    b: Budget = spec.budget(source.config, source.mode, size, dtype, sp.steps, sp.guidance, weights)
+    pp = family.parallel.with_dtype("vae", rt.vae_dtype.value)  # the VAE's dtype as placement gives it
+    vae_dtype = torch.float32 if "vae" in pp.float32 else torch.bfloat16 if "vae" in pp.bfloat16 else dtype
+    b: Budget = spec.budget(source.config, source.mode, size, dtype, sp.steps, sp.guidance, weights, vae_dtype)
     text, text_why = _text_choice(job)
     text_names = set(family.needs[Step.prompt])
     loaded = {n: b.models[n] for n in family.components if text == "load" or n not in text_names}
@@ -367,7 +370,7 @@ def make_plan(job: Job, m: Machine, util: float = 0.4) -> Plan:
         notes.append(f"does not fit: the host needs {host / GB:.1f} GB of {m.host_bytes / GB:.1f} GB")
     return Plan(job=str(job.path), model=source.name, family=spec.name, mode=source.mode, size=size,
                 machine=m.label, card=m.card.name, utilisation=util, parallel=split.value, parallel_why=split_why,
-                decode=decode, decode_why=decode_why, text=text, text_why=text_why,
+                decode=decode, decode_why=decode_why, vae_dtype=b.models["vae"].dtype, text=text, text_why=text_why,
                 weights=weights if weights != "bf16" else _dtype_label(dtype), weights_why=_weights_why(weights, b, dtype_why),
                 host_tier=tier,
                 host_tier_why=tier_why, ranks=ranks, gpu_bytes=gpu, gpu_capacity=m.gpu_bytes, host_bytes=host,
@@ -404,7 +407,7 @@ def format_plan(p: Plan) -> str:
     lines.append(f"  weights   {p.weights:9} {p.weights_why}")
     if p.host_tier:
         lines.append(f"  host tier {p.host_tier:9} {p.host_tier_why}")
-    lines.append(f"  decode    {p.decode:9} {p.decode_why}")
+    lines.append(f"  decode    {p.decode:9} {p.decode_why}; the VAE in {p.vae_dtype} (runtime.vae_dtype)")
     lines.append(f"  text      {p.text:9} {p.text_why}")
     cap = f" of {p.host_capacity / GB:.1f}" if p.host_capacity else ""
     lines.append(f"  host      {p.host_bytes / GB:.1f} GB{cap} (offloaded weights, and {HOST_RESERVE / GB:.0f} GB for "

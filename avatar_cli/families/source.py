@@ -43,8 +43,8 @@ class FamilySpec:
     shipped: shipped model name -> its size (weights under avatar_cli/weights/<name>, else a random init).
     presets: sizes a job may name without weights (`model: wan-s2v-14b`), name -> a function giving the config:
       `avatar plan` counts them on the meta device; a render refuses them (it needs the weights).
-    budget: (config, mode, (width, height), dtype, steps, guidance, weights) -> runtime.budget.Budget, the family's
-      work counted on meta (`avatar plan`; weights: `runtime.weights`); None: the family has none.
+    budget: (config, mode, (width, height), dtype, steps, guidance, weights, vae_dtype) -> runtime.budget.Budget,
+      the family's work counted on meta (`avatar plan`; `runtime.weights`, the VAE's dtype); None: it has none.
     """
 
     name: str

@@ -87,9 +87,10 @@ def _flops(fn) -> float:
 
 
 @functools.lru_cache(maxsize=8)
-def _vae_decode(vp: WanVAEParams, lat_h: int, lat_w: int, latents: int) -> tuple[int, float, int]:
-    """(peak bytes, FLOPs, decoder cache bytes) of decoding `latents` latents continuing a timeline, float32."""
-    vae = on_meta(WanVAE, vp, torch.float32)
+def _vae_decode(vp: WanVAEParams, lat_h: int, lat_w: int, latents: int,
+                dtype: torch.dtype = torch.float32) -> tuple[int, float, int]:
+    """(peak bytes, FLOPs, decoder cache bytes) of decoding `latents` latents continuing a timeline, in `dtype`."""
+    vae = on_meta(WanVAE, vp, dtype)
     z = torch.empty(1, vp.z_dim, latents, lat_h, lat_w, device="meta")
     with torch.no_grad():
         _, cache = vae.decode_stream(z)  # a timeline started, to have a cache to continue
@@ -97,9 +98,10 @@ def _vae_decode(vp: WanVAEParams, lat_h: int, lat_w: int, latents: int) -> tuple
 
 
 @functools.lru_cache(maxsize=8)
-def _vae_encode(vp: WanVAEParams, lat_h: int, lat_w: int, frames: int) -> tuple[int, float]:
-    """(peak bytes, FLOPs) of encoding `frames` frames from a fresh encoder cache, float32."""
-    vae = on_meta(WanVAE, vp, torch.float32)
+def _vae_encode(vp: WanVAEParams, lat_h: int, lat_w: int, frames: int,
+                dtype: torch.dtype = torch.float32) -> tuple[int, float]:
+    """(peak bytes, FLOPs) of encoding `frames` frames from a fresh encoder cache, in `dtype`."""
+    vae = on_meta(WanVAE, vp, dtype)
     x = torch.empty(1, 3, frames, lat_h * 8, lat_w * 8, device="meta")
     return peak_bytes(lambda: vae.encode(x)), _flops(lambda: vae.encode(x))
 
@@ -141,18 +143,19 @@ def _block_forward(p: WanDiTParams, dtype: torch.dtype, lat_h: int, lat_w: int) 
 
 
 def budget(config, mode: str, size: tuple[int, int], dtype: torch.dtype, steps: int, guidance: float,
-           weights: str = "bf16") -> Budget:
+           weights: str = "bf16", vae_dtype: torch.dtype = torch.float32) -> Budget:
     """The family's budget at `size` (width, height), its DiT and umT5 in `dtype`, the DiT's Linears under
-    `runtime.weights`; config: a WanS2VConfig (a directory's, or the release's preset)."""
+    `runtime.weights`, the VAE in `vae_dtype` (runtime.vae_dtype); config: a WanS2VConfig (a directory's, or the
+    release's preset)."""
     p: WanDiTParams = config.dit
     w, h = size
     lat_h, lat_w = h // 8, w // 8
     models = {"dit": _dit_bytes(p, dtype, weights, dict(QUANTIZED).get("dit")), "text": _t5_bytes(config.t5, dtype),
               "audio": _w2v_bytes(p.audio_dim),
-              "vae": ModelBytes(n_bytes(on_meta(WanVAE, config.vae, torch.float32)), "float32")}
+              "vae": ModelBytes(n_bytes(on_meta(WanVAE, config.vae, vae_dtype)), dtype_name(vae_dtype))}
     if mode == "streaming":
         peak, flops, rings, sink = _block_forward(p, dtype, lat_h, lat_w)
-        dec_peak, dec_flops, dec_cache = _vae_decode(config.vae, lat_h, lat_w, 1)
+        dec_peak, dec_flops, dec_cache = _vae_decode(config.vae, lat_h, lat_w, 1, vae_dtype)
         return Budget("wan-s2v", mode, size, NATIVE_FPS, models, a2v_peak=peak, decode_peak=dec_peak,
                       state=rings + sink, decode_state=dec_cache, forward_flops=flops, forwards=causal.STEPS,
                       chunk_frames=4 * causal.FRAMES_PER_BLOCK, decode_flops=dec_flops * causal.FRAMES_PER_BLOCK,
@@ -161,8 +164,8 @@ def budget(config, mode: str, size: tuple[int, int], dtype: torch.dtype, steps: 
                              f"latent frames) and the sink {sink / 1e9:.2f} GB stay on the device",))
     peak, flops = _clip_forward(p, dtype, lat_h, lat_w)
     latents = CLIP_FRAMES // 4
-    dec_peak, dec_flops, dec_cache = _vae_decode(config.vae, lat_h, lat_w, PUT_LATENTS)
-    enc_peak, enc_flops = _vae_encode(config.vae, lat_h, lat_w, p.motion_frames)
+    dec_peak, dec_flops, dec_cache = _vae_decode(config.vae, lat_h, lat_w, PUT_LATENTS, vae_dtype)
+    enc_peak, enc_flops = _vae_encode(config.vae, lat_h, lat_w, p.motion_frames, vae_dtype)
     motion = p.in_dim * p.lat_motion_frames * lat_h * lat_w * 4
     return Budget("wan-s2v", mode, size, NATIVE_FPS, models, a2v_peak=peak, decode_peak=max(dec_peak, enc_peak),
                   state=0, decode_state=dec_cache + motion, forward_flops=flops, forwards=steps * (2 if guidance > 1 else 1),

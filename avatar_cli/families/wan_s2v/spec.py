@@ -124,10 +124,12 @@ def release_config() -> Any:
 
 
 def budget(config: Any, mode: str, size: tuple[int, int], dtype: Any, steps: int, guidance: float,
-           weights: str = "bf16") -> Any:
+           weights: str = "bf16", vae_dtype: Any = None) -> Any:
+    import torch
+
     from avatar_cli.families.wan_s2v.budget import budget as count
 
-    return count(config, mode, size, dtype, steps, guidance, weights)
+    return count(config, mode, size, dtype, steps, guidance, weights, vae_dtype or torch.float32)
 
 
 WAN_S2V = FamilySpec(
