@@ -1,0 +1,45 @@
+"""The README's "What runs where" table: `avatar plan` for Wan2.2-S2V-14B (named by size, no weights) on four
+machines, in the clip mode at 832x448 and the streaming mode at 704x384, with the job's defaults otherwise.
+
+    python bench/plan_table.py [KEY=VALUE ...]     # e.g. runtime.weights=int8 runtime.vae_dtype=bfloat16
+
+Seconds on a CPU (every model counted on the meta device once). Prints a Markdown table.
+"""
+
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from avatar_cli.plan import GB, machine, make_plan  # noqa: E402
+from avatar_cli.spec import load_job  # noqa: E402
+
+MACHINES = [("1x24GB", "32GB"), ("1x48GB", "64GB"), ("5x24GB", "128GB"), ("8x80GB", "1024GB")]
+MODES = [("clip", ["video.width=832", "video.height=448"]),
+         ("streaming", ["mode=streaming", "video.width=704", "video.height=384"])]
+
+
+def main() -> None:
+    extra = sys.argv[1:]
+    with tempfile.TemporaryDirectory() as d:
+        job = Path(d) / "job.yaml"
+        job.write_text("reference: ref.png\naudio: speech.wav\noutput: out.mp4\n")
+        print("| machine | mode | split | DiT | offload | decode | per GPU | host | speed (40 % of bf16 peak) |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for gpus, host in MACHINES:
+            for mode, keys in MODES:
+                p = make_plan(load_job(job, ["model=wan-s2v-14b", *keys, *extra]), machine(gpus, host))
+                r = next(r for r in p.ranks if "dit" in r.models)
+                dit = "sharded" if "dit" in r.sharded else "replicated" if p.ranks[0].count > 1 else "whole"
+                offload = r.offload + (f" ({p.host_tier})" if p.host_tier and r.offload == "block" else "")
+                speed = (f"{p.speed['fps']:.1f} fps" if "fps" in p.speed
+                         else f"{p.speed['clip_s']:.0f} s per {p.speed['video_s_per_clip']:g} s clip")
+                fits = "" if p.fits else " **does not fit**"
+                print(f"| {gpus}, {host} host | {mode} | {p.parallel} | {dit} | {offload} | {p.decode} | "
+                      f"{p.gpu_bytes / GB:.1f} GB{fits} | {p.host_bytes / GB:.0f} GB | {speed} |")
+
+
+if __name__ == "__main__":
+    main()
