@@ -178,11 +178,26 @@ def test_a_killed_render_takes_its_worker_with_it(job_dir: Path):
     assert partial.stat().st_size == size  # nothing more written
 
 
-def test_only_scheduled_stretches_keep_a_snapshot_and_get_resume_points(long_job: Path, monkeypatch):
+def test_a_spilled_snapshot_is_the_state_on_disk_and_leaves_nothing(tmp_path: Path):
+    tensors = {"ring": torch.randn(3, 5, 7).to(torch.bfloat16), "count": torch.arange(11),
+               "cache": torch.randn(2, 9, dtype=torch.float64), "empty": torch.zeros(0, 4)}
+    out = dw.spill(tensors, tmp_path)
+    assert list(out) == list(tensors)
+    for k, v in tensors.items():
+        assert out[k].dtype == v.dtype and torch.equal(out[k], v)
+        assert v.numel() == 0 or out[k].data_ptr() != v.data_ptr()  # a copy: the render goes on changing its own
+    assert list(tmp_path.iterdir()) == []  # the file's name is gone once mapped
+
+
+@pytest.mark.parametrize("spilled", [False, True])
+def test_only_scheduled_stretches_keep_a_snapshot_and_get_resume_points(long_job: Path, monkeypatch, spilled):
     """With resume points allowed after every third block only (pipeline/checkpoint.py resume_schedule, as for a big
     rolling state), the worker's render keeps no snapshot for the other stretches and writes its points only after
-    the scheduled blocks; its frames are the inline render's."""
+    the scheduled blocks; its frames are the inline render's. spilled: the snapshots wait on disk (as a big one
+    does), and the points are written from there."""
     inline = render(long_job, Notes(), "runtime.decode=inline", f"output={long_job.parent / 'inline.mp4'}")
+    if spilled:
+        monkeypatch.setattr(dw, "SPILL_BYTES", 0)
     monkeypatch.setattr(ckpt, "resume_schedule", lambda state_bytes: lambda block: (block + 1) % 3 == 0)
     snapshots: list[tuple[int, int]] = []  # (block, tensors kept) per stretch handed over
     submit = dw.DecodeWorker.submit

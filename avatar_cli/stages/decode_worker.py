@@ -14,7 +14,7 @@ acknowledgment: its own rolling state as it was when it sent the stretch (kept u
 plus the worker's cache. The checkpoint is the inline one, so a render resumes in either mode. Snapshots are taken
 only for the stretches a resume point may follow (pipeline/checkpoint.py resume_schedule): every one for a small
 state, one block in 39 for the streaming mode's 41.5 GB of rings at full size, where two snapshots in flight would
-hold ~90 GB of host memory.
+hold ~90 GB of host memory; and a snapshot over SPILL_BYTES waits on disk (`spill`), not in host memory.
 
 Faults: a worker that dies is seen at the next stretch handed over (or while waiting on one) and stops the render
 with a RenderError naming it; an error inside the worker comes back as a RenderError naming it. The worker polls its
@@ -33,11 +33,13 @@ travels through the shared-memory slots (torch's shared storage, handed over onc
 import os
 import queue
 import signal
+import tempfile
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -55,8 +57,35 @@ from avatar_cli.runtime.placement import place
 from avatar_cli.stages.publish import DecodePublish
 
 DEPTH = 2  # stretches in flight: see the module docstring
+SPILL_BYTES = 256 << 20  # a snapshot bigger than this waits on disk until its acknowledgment, not in host memory
+SLICE_BYTES = 64 << 20  # what a spill copies through host memory at once
 _ALIGN = 64  # byte offset of each tensor in a slot: any dtype's view of the flat buffer is then aligned
 _POLL_S = 0.1  # how often a waiting render process checks that the worker lives, and the worker its parent
+
+
+def spill(tensors: Mapping[str, torch.Tensor], folder: Path) -> dict[str, torch.Tensor]:
+    """Copies of `tensors` (on any device) that live in a file, not in host memory: written SLICE_BYTES at a time
+    into an unnamed file in `folder` (its name is removed once mapped: nothing is left behind, even after kill -9
+    once this returns), then mapped back privately, so their pages are read only when used (the resume point's
+    write) and the page cache can drop them."""
+    fd, name = tempfile.mkstemp(prefix=".avatar-snapshot-", dir=folder)
+    layout, offset = [], 0
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for key, t in tensors.items():
+                flat = t.detach().contiguous().reshape(-1).view(torch.uint8)  # (bytes,)
+                for a in range(0, flat.numel(), SLICE_BYTES):
+                    f.write(flat[a:a + SLICE_BYTES].cpu().numpy().data)
+                pad = -flat.numel() % _ALIGN  # every tensor starts aligned for its dtype
+                f.write(bytes(pad))
+                layout.append((key, offset, flat.numel(), t.dtype, t.shape))
+                offset += flat.numel() + pad
+        data = torch.from_file(name, shared=False, size=offset, dtype=torch.uint8) if offset else torch.empty(0)
+    except OSError as e:
+        raise RenderError(f"cannot keep a resume snapshot in {folder} ({e.strerror})") from None
+    finally:
+        os.unlink(name)
+    return {key: data[o:o + n].view(dtype).view(shape) for key, o, n, dtype, shape in layout}
 
 
 def check_setting(setting: str, family: Family) -> None:
@@ -171,6 +200,7 @@ class DecodeWorker:
         stretch published after that block (pipeline/checkpoint.py resume_schedule): only those stretches keep a
         snapshot of the rolling state while in flight. vae_dtype: `runtime.vae_dtype`."""
         self.resume_at = resume_at
+        self._folder = Path(writer_path).parent  # where big snapshots wait (the output's disk)
         self.family: Family = source.family
         self.device = worker_device(runtime, world_size)
         ctx = mp.get_context("spawn")  # never fork: the render process already runs torch's threads
@@ -232,10 +262,14 @@ class DecodeWorker:
             self._slots[slot] = grown = _shared_buffer(need + need // 4)
         layout = pack(self._slots[slot], tensors)
         self._seq += 1
-        # A snapshot only where a resume point may follow: at full size the streaming mode's is ~44 GB.
+        # A snapshot only where a resume point may follow; a big one (the streaming mode's is ~44 GB at full size)
+        # on disk, not in host memory.
         resumable = self.resume_at(next_chunk - 1)
-        mine = {k: v.detach().to("cpu", copy=True) for k, v in state.tensors.items() if v is not None} \
-            if resumable else {}
+        mine = {k: v for k, v in state.tensors.items() if v is not None} if resumable else {}
+        if sum(v.numel() * v.element_size() for v in mine.values()) > SPILL_BYTES:
+            mine = spill(mine, self._folder)
+        else:
+            mine = {k: v.detach().to("cpu", copy=True) for k, v in mine.items()}
         self._sent.append(_Sent(self._seq, slot, next_chunk, final.start, final.end, mine, resumable,
                                 list(state.held), state.published))
         self._inbox.put(("stretch", self._seq, slot, layout, final.start, final.end, grown, resumable))
