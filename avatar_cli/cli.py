@@ -267,7 +267,8 @@ def models_init(directory: Annotated[Path, typer.Argument(help="A new (or empty)
 
 @models_app.command("check")
 def models_check(directory: Annotated[Path, typer.Argument(help="A model directory: a Wan2.2-S2V release "
-                                                            "(official or Diffusers layout) or a mini one.")],
+                                                            "(official or Diffusers layout) or a mini one; or a "
+                                                            "single-file Wan2.2-S2V DiT (.safetensors, .gguf).")],
                  json: JsonOpt = None, debug: DebugOpt = False) -> None:
     """Check a model directory from its headers alone (no weights are read): per component its tensors,
     parameters, dtypes and bytes, and every missing, unexpected or mis-shaped tensor by name.

@@ -26,7 +26,7 @@ import numpy as np
 
 from avatar_cli.errors import InputError
 from avatar_cli.families.base import Sampling, check_degree
-from avatar_cli.families.registry import ModelSource, check_model, resolve_model, with_lora, with_mode
+from avatar_cli.families.registry import ModelSource, check_model, resolve_model, with_dit, with_lora, with_mode
 from avatar_cli.media.audio import AudioInfo, probe_audio
 from avatar_cli.media.image import load_image, small_image_warning
 from avatar_cli.pipeline.schedule import choose_transitions, num_frames
@@ -130,6 +130,8 @@ def resolve_source(job: Job) -> ModelSource:
     from headers, in the job's mode, with its LoRA (its headers against the DiT built on meta: a wrong file is exit
     2 before any load)."""
     source = job.source if job.source is not None else resolve_model(job.model, job.path.parent)
+    if job.dit is not None:
+        source = with_dit(source, job.dit)
     check_model(source)
     source = with_mode(source, job.spec.mode)
     if job.lora is not None:

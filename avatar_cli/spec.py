@@ -222,6 +222,9 @@ class JobSpec:
     seed: int = 0
     model: str = "mini"
     mode: Mode = Mode.clip  # wan-s2v: clip (the official clip loop) | streaming (LiveAvatar's 4-step blocks)
+    # wan-s2v: the DiT read from this one file instead of the model directory's (ComfyUI's single-file bf16 or
+    # scaled-FP8 safetensors, a GGUF quantization); the directory gives the rest (docs/wan-s2v.md).
+    dit: Optional[str] = None
     # A LoRA merged into the model's DiT once at load (wan-s2v: LiveAvatar's liveavatar.safetensors), a path
     # relative to the job file like `model`; its factors must have rank lora_rank; W <- W + lora_scale · B @ A
     # (None: LiveAvatar's alpha 64 / rank 128 = 0.5; the file carries no alpha, so another rank must set it).
@@ -246,6 +249,7 @@ class Job:
     output: Path | str  # a str for stdout ("-") and URLs (is_live_output)
     model: str  # a shipped name, or an absolute directory
     lora: Path | None = None  # the LoRA file, absolute
+    dit: Path | None = None  # the DiT file, absolute
     record: Path | None = None  # live.record, absolute
     # The model as resolved for its family's defaults (a families.registry.ModelSource in the job's mode; None
     # when it did not resolve): job.resolve_source goes on from it instead of resolving the model again.
@@ -370,6 +374,7 @@ def load_job(job_path: str | Path, overrides: list[str] | None = None, output: s
     return Job(spec=spec, path=path.resolve(), reference=resolve("reference", spec.reference),
                audio=resolve_stream("audio", spec.audio), output=resolve_stream("output", spec.output), model=model,
                lora=resolve("lora", spec.lora) if spec.lora is not None else None, source=source,
+               dit=resolve("dit", spec.dit) if spec.dit is not None else None,
                record=resolve("live.record", spec.live.record) if spec.live.record is not None else None)
 
 
@@ -414,6 +419,7 @@ def validate(s: JobSpec) -> None:
         (sm.shift > 0, "sampling.shift must be positive"),
         (s.runtime.threads >= 0, "runtime.threads must not be negative"),
         (s.lora is None or s.lora.strip() != "", "lora must be a LoRA file's path, or null for none"),
+        (s.dit is None or s.dit.strip() != "", "dit must be a DiT file's path, or null for the model's own"),
         (s.lora_rank > 0, "lora_rank must be positive"),
         (s.lora_scale is None or math.isfinite(s.lora_scale), "lora_scale must be a finite number"),
         (Path(s.output).suffix.lower() == ".mp4" or is_live_output(s.output),

@@ -52,6 +52,7 @@ COMMENTS = {
     "seed": "noise is drawn per chunk from this seed and the chunk index, never from the rank count",
     "model": "a shipped model's name (`avatar models`), or a model directory (relative to the job file's folder)",
     "mode": "clip | streaming (wan-s2v only: streaming is LiveAvatar's 4-step blocks; docs/wan-s2v.md)",
+    "dit": "wan-s2v only: the DiT from this one file (ComfyUI .safetensors, FP8-scaled, .gguf); null: the model's",
     "lora": "wan-s2v only: a LoRA file merged into the DiT once at load (LiveAvatar's liveavatar.safetensors)",
     "lora_rank": "the rank every LoRA factor pair must have (LiveAvatar: 128)",
     "lora_scale": "W <- W + lora_scale * B @ A; null: LiveAvatar's alpha 64 / rank 128 = 0.5 (set it for another rank)",

@@ -17,8 +17,8 @@ from avatar_cli.families.wan_s2v.spec import WAN_S2V
 from avatar_cli.modules.module import Module
 
 __all__ = ["RANDOM_SEED", "FamilySpec", "ModelSource", "register", "get", "names", "resolve_model", "with_mode",
-           "with_lora", "model_for_spec", "check_model", "load_modules", "init_family_dir", "param_count",
-           "check_directory", "shipped_names", "preset_names"]
+           "with_lora", "with_dit", "model_for_spec", "check_model", "load_modules", "init_family_dir",
+           "param_count", "check_directory", "shipped_names", "preset_names"]
 
 WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "weights"
 FAMILIES: dict[str, FamilySpec] = {}
@@ -91,6 +91,13 @@ def with_lora(source: ModelSource, path: Path, rank: int, scale: float | None) -
     return dataclasses.replace(source, lora=source.spec.lora(source, path, rank, scale))
 
 
+def with_dit(source: ModelSource, path: Path) -> ModelSource:
+    """The source with its DiT read from one file (a job's `dit:`), checked from the file's header."""
+    if source.spec.dit_file is None or source.path is None:
+        raise InputError(f"dit: the {source.family_name} family reads its DiT from its model directory only")
+    return dataclasses.replace(source, config=source.spec.dit_file(source, path), dit=path)
+
+
 def with_mode(source: ModelSource, mode: str) -> ModelSource:
     """The source rendering in the job's generation mode (InputError for a mode its family lacks)."""
     mode = getattr(mode, "value", mode)
@@ -144,6 +151,12 @@ def param_count(source: ModelSource) -> int:
 def check_directory(directory: Path) -> dict:
     """`avatar models check`: a report (dict) of a model directory, from headers only."""
     directory = directory.expanduser()
+    if directory.is_file():  # a single-file DiT (wan-s2v: ComfyUI safetensors, GGUF)
+        spec = next((s for s in reversed(FAMILIES.values()) if s.dit_file is not None and s.recognises(directory)),
+                    None)
+        if spec is None:
+            raise InputError(f"models check: {directory}: not a model directory nor a DiT file (.safetensors, .gguf)")
+        return spec.report(directory)
     if not directory.is_dir():
         raise InputError(f"models check: {directory}: not a directory")
     return detect(directory).report(directory)

@@ -33,6 +33,10 @@ def spec_digest(job: Job) -> str:
     for key in ("text_cache", "text_service", "parallel", "decode"):
         spec["runtime"].pop(key)
     spec.pop("live")  # a live session's settings: a render that can resume is not one
+    if spec.get("dit") is None:  # the model directory's own DiT: such a job digests as before the key existed
+        spec.pop("dit", None)
+    else:
+        spec["dit"] = str(job.dit)
     if job.lora is None:  # rank and scale mean nothing without a LoRA: such a job digests as before these keys
         for key in LORA_KEYS:
             spec.pop(key)

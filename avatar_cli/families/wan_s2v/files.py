@@ -5,7 +5,8 @@ Layouts (the file lists of the two releases named below):
   + their index json (the DiT), models_t5_umt5-xxl-enc-bf16.pth (T5 encoder, bf16), Wan2.1_VAE.pth (fp32),
   google/umt5-xxl/ (tokenizer only), wav2vec2-large-xlsr-53-english/ (HF Wav2Vec2ForCTC).
 - "diffusers" (FastVideo/Wan2.2-S2V-14B-Diffusers): model_index.json, transformer/ (the official shards and
-  index byte-identical, official tensor names), text_encoder/ (HF UMT5EncoderModel, possibly sharded, its tied
+  index byte-identical, official tensor names; or, in the repack of diffusers' own Wan2.2-S2V port,
+  tolgacangoz/Wan2.2-S2V-14B-Diffusers, `WanS2VTransformer3DModel` with its renamed tensors), text_encoder/ (HF UMT5EncoderModel, possibly sharded, its tied
   embedding stored once or twice), vae/ (AutoencoderKLWan names), tokenizer/, audio_encoder/ (+ audio_processor/
   for the feature extractor). The vae/ and text_encoder/ config.json give their sizes where present.
 
@@ -35,6 +36,9 @@ COMPONENTS = ("dit", "vae", "t5", "tokenizer", "wav2vec2")
 Expected = dict[str, tuple[tuple[int, ...], torch.dtype | None]]
 
 DIT_CLASS = "WanModel_S2V"
+# diffusers' own class for the S2V DiT (its Wan2.2-S2V pull request): its transformer/ renames every tensor.
+DIT_CLASS_DIFFUSERS = "WanS2VTransformer3DModel"
+DIT_CLASSES = (DIT_CLASS, DIT_CLASS_DIFFUSERS)
 DIT_INDEX = "diffusion_pytorch_model.safetensors.index.json"
 DIT_SINGLE = "diffusion_pytorch_model.safetensors"
 W2V_EXTRACTOR = "preprocessor_config.json"
@@ -137,14 +141,20 @@ def expected_for(component: str, layout: str, config: dict | None) -> tuple[Expe
     """(expected names and shapes, where they came from) for one component, from our own modules built on the
     meta device; (None, why) when no module of ours describes that component's files in that layout.
     A DiT config.json our params refuse raises CheckpointFormatError naming the field."""
-    if component == "dit":  # transformer/ of the Diffusers layout holds the official names too
+    if component == "dit":  # FastVideo's transformer/ holds the official names; diffusers' class its own
         try:
+            from avatar_cli.families.wan_s2v import adapter_dit
             from avatar_cli.families.wan_s2v.dit import WanDiTParams, WanS2VDiT
         except ImportError:
             return None, "no DiT module to compare with"
         if config is None:
             return None, "no config.json to build the DiT from"
         try:
+            if config.get("_class_name") == DIT_CLASS_DIFFUSERS:
+                params = adapter_dit.params_from_diffusers_config(config)
+                sd = build_meta(WanS2VDiT, params).state_dict()
+                return ({adapter_dit.official_to_diffusers_key(k): (tuple(v.shape), None) for k, v in sd.items()},
+                        "WanS2VDiT(config.json) in WanS2VTransformer3DModel's names (adapter_dit)")
             params = WanDiTParams.from_config(config)  # never code defaults: WanModel_S2V.from_pretrained reads it
         except (ValueError, TypeError) as e:
             raise CheckpointFormatError(str(e)) from None
@@ -264,8 +274,9 @@ def _check_component(files: ComponentFiles, layout: str, expected: Expected | No
                 r.problems.append(f"missing file: {files.config}")
         except (OSError, ValueError) as e:
             r.problems.append(f"{files.config}: unreadable JSON ({e})")
-    if files.name == "dit" and config is not None and config.get("_class_name") != DIT_CLASS:
-        r.problems.append(f"{files.config}: _class_name is {config.get('_class_name')!r}, not {DIT_CLASS!r}")
+    if files.name == "dit" and config is not None and config.get("_class_name") not in DIT_CLASSES:
+        r.problems.append(f"{files.config}: _class_name is {config.get('_class_name')!r}, not "
+                          + " or ".join(map(repr, DIT_CLASSES)))
     if files.weights is None:
         return r
     if not files.weights.is_file():

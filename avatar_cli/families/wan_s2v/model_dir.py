@@ -18,8 +18,10 @@ Pickles: the `.pth` files are read only through `torch.load(weights_only=True, m
 (`modules.tensor_files.load_pth`), which refuses anything but a flat dict of tensors, with exit 2.
 """
 
+import dataclasses
 import functools
 import json
+import math
 import shutil
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
@@ -32,7 +34,8 @@ from safetensors.torch import load_file
 from transformers import UMT5Config, Wav2Vec2Config, Wav2Vec2FeatureExtractor
 
 from avatar_cli.errors import InputError
-from avatar_cli.families.wan_s2v import adapter_vae
+from avatar_cli.families.wan_s2v import adapter_dit, adapter_vae
+from avatar_cli.families.wan_s2v import dit_file as dit_file_mod
 from avatar_cli.families.wan_s2v import files as wfiles
 from avatar_cli.families.wan_s2v.adapter_t5 import hf_to_wan, load_into
 from avatar_cli.families.wan_s2v.components import UMT5Text, Wav2Vec2Audio
@@ -70,10 +73,18 @@ class WanS2VConfig:
     # (Diffusers layout: sizes from the component's config.json that equal no preset)
     vae_preset: str
     t5_preset: str
+    # The directory's DiT names: "official" (the release, FastVideo's transformer/) or "diffusers" (diffusers'
+    # WanS2VTransformer3DModel, renamed by adapter_dit).
+    dit_names: str = "official"
+    # A job's `dit:` file (ComfyUI single file, scaled FP8, GGUF: dit_file.py), read instead of the directory's DiT.
+    dit_file: Path | None = None
 
     @property
     def files(self) -> dict[str, wfiles.ComponentFiles]:
-        return wfiles.find_layout(self.path).components
+        comps = dict(wfiles.find_layout(self.path).components)
+        if self.dit_file is not None:
+            comps["dit"] = wfiles.ComponentFiles("dit", self.dit_file.parent, self.dit_file)
+        return comps
 
     @property
     def size(self) -> str:
@@ -82,6 +93,8 @@ class WanS2VConfig:
     def to_json(self) -> str:
         d = {"family": FAMILY, "layout": self.layout, "dit": asdict(self.dit), "vae": asdict(self.vae),
              "t5": asdict(self.t5)}
+        if self.dit_file is not None:
+            d["dit_file"] = str(self.dit_file)
         return json.dumps(d, sort_keys=True, default=list)
 
     def weight_files(self) -> list[Path]:
@@ -168,17 +181,36 @@ def _header_sizes(d: wfiles.ModelDir, comp: str, exact: bool = True) -> tuple[Wa
     return presets.get(name, presets["release"]), name
 
 
-def read_config(path: Path) -> WanS2VConfig:
-    """The directory's layout and sizes, from the config.json files and the headers of the VAE and T5 files."""
+def _dit_params(cfg_path: Path) -> tuple[WanDiTParams, str]:
+    """(sizes, names) from the DiT's config.json: the official class's, or diffusers' WanS2VTransformer3DModel's."""
+    try:
+        config = json.loads(cfg_path.read_text())
+        if isinstance(config, dict) and config.get("_class_name") == wfiles.DIT_CLASS_DIFFUSERS:
+            return adapter_dit.params_from_diffusers_config(config), "diffusers"
+        return WanDiTParams.from_config(config), "official"
+    except (ValueError, TypeError, AttributeError) as e:
+        raise InputError(f"model: {cfg_path}: {e}") from None
+
+
+DIT_PRESETS = {"release": WanDiTParams.full(), "tiny": WanDiTParams.tiny()}
+
+
+def read_config(path: Path, dit_file: Path | None = None) -> WanS2VConfig:
+    """The directory's layout and sizes, from the config.json files and the headers of the VAE and T5 files.
+    dit_file: a single-file DiT read instead of the directory's (its sizes from the directory's config.json, or,
+    where the directory has none, from the file's shapes, which must be the release's or the tiny size's)."""
     try:
         d = wfiles.find_layout(path)
         cfg_path = d.components["dit"].config
-        if cfg_path is None or not cfg_path.is_file():
+        dit_names = "official"
+        if cfg_path is not None and cfg_path.is_file():
+            dit, dit_names = _dit_params(cfg_path)
+        elif dit_file is not None:
+            f = dit_file_mod.inspect(dit_file)
+            name, dit = dit_file_mod.params_of(f, DIT_PRESETS)
+            dit_file_mod.check_or_fail(f, dit)
+        else:
             raise InputError(f"model: {path}: no config.json for the DiT ({cfg_path})")
-        try:
-            dit = WanDiTParams.from_config(json.loads(cfg_path.read_text()))
-        except (ValueError, TypeError) as e:
-            raise InputError(f"model: {cfg_path}: {e}") from None
         sizes = {}
         for comp in ("vae", "t5"):
             f = d.components[comp].weights
@@ -192,13 +224,52 @@ def read_config(path: Path) -> WanS2VConfig:
     except CheckpointFormatError as e:
         raise InputError(f"model: {e}") from None
     (vae, vae_preset), (t5, t5_preset) = sizes["vae"], sizes["t5"]
-    return WanS2VConfig(Path(path), d.layout, dit, vae, t5, vae_preset, t5_preset)
+    return WanS2VConfig(Path(path), d.layout, dit, vae, t5, vae_preset, t5_preset, dit_names,
+                        Path(dit_file) if dit_file is not None else None)
+
+
+def with_dit_file(cfg: WanS2VConfig, path: Path) -> WanS2VConfig:
+    """The config with its DiT read from `path` (a job's `dit:`), checked from the file's header: a file of
+    another model, of other sizes, or of a GGUF type that cannot be read is an InputError naming it."""
+    if cfg.dit_file is not None and Path(cfg.dit_file) == Path(path):
+        return cfg
+    f = dit_file_mod.inspect(path)
+    dit_file_mod.check_or_fail(f, cfg.dit)
+    return dataclasses.replace(cfg, dit_file=Path(path))
+
+
+def _file_report(f: "dit_file_mod.DitFile", params: WanDiTParams, source: str) -> wfiles.ComponentReport:
+    r = wfiles.ComponentReport("dit", files=[f.path], tensors=len(f.shapes),
+                               params=sum(math.prod(s) for s in f.shapes.values()), nbytes=f.nbytes,
+                               dtypes=dict(f.types.most_common()), expected_from=source)
+    r.problems += f.problems
+    if not f.problems:
+        wfiles.compare({k: _Shape(s) for k, s in f.shapes.items()},
+                       {k: (s, None) for k, s in dit_file_mod.expected_shapes(params).items()}, r)
+    return r
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """What files.compare reads of a found tensor."""
+
+    shape: tuple[int, ...]
+
+
+def check_file(path: Path) -> wfiles.DirReport:
+    """`avatar models check FILE`: a single-file DiT against the release's DiT (or the tiny one it matches)."""
+    f = dit_file_mod.inspect(path)
+    name, params = dit_file_mod.params_of(f, DIT_PRESETS)
+    report = _file_report(f, params, f"WanS2VDiT at the {name} size")
+    return wfiles.DirReport(Path(path), f.describe(), {"dit": report})
 
 
 def check_path(path: Path) -> wfiles.DirReport:
     """`avatar models check`: any layout, headers only. The VAE and T5 are compared, in the layout's own names,
     with the sizes their config.json gives (Diffusers layout), else with the preset their header matches (the
-    release's when none does, so every difference is named)."""
+    release's when none does, so every difference is named). A file: check_file."""
+    if Path(path).is_file():
+        return check_file(Path(path))
     d = wfiles.find_layout(path)
     expected, problems = {}, {}
     for comp in ("vae", "t5"):
@@ -224,7 +295,10 @@ def check_path(path: Path) -> wfiles.DirReport:
 def check(cfg: WanS2VConfig) -> wfiles.DirReport:
     """Headers only: every component's names, shapes (and the DiT's config) against our modules."""
     expected = {"vae": _vae_expected(cfg.vae, cfg.layout), "t5": _t5_expected(cfg.t5, cfg.layout)}
-    return wfiles.check_dir(cfg.path, expected)
+    report = wfiles.check_dir(cfg.path, expected)
+    if cfg.dit_file is not None:
+        report.components["dit"] = _file_report(dit_file_mod.inspect(cfg.dit_file), cfg.dit, "the job's dit file")
+    return report
 
 
 def check_or_fail(cfg: WanS2VConfig) -> None:
@@ -240,8 +314,14 @@ def check_or_fail(cfg: WanS2VConfig) -> None:
 def load_dit(cfg: WanS2VConfig) -> Module:
     """Lazy: built on meta from config.json with its headers checked; placement reads it onto the device, or
     under FSDP2 each rank only its own rows (modules/loading.py), so 14B is never copied once per rank."""
+    if cfg.dit_file is not None:
+        return dit_file_mod.load(dit_file_mod.inspect(cfg.dit_file), cfg.dit)
     comp = cfg.files["dit"]
-    return lazy_module("dit", WanS2VDiT, cfg.dit, TensorIndex.from_safetensors(comp.weights))
+    rename = None
+    if cfg.dit_names == "diffusers":  # diffusers' names read back to ours; a name it lacks is reported as is
+        official = adapter_dit.diffusers_to_official_names(list(dit_file_mod.expected_shapes(cfg.dit)))
+        rename = lambda name: official.get(name, name)  # noqa: E731
+    return lazy_module("dit", WanS2VDiT, cfg.dit, TensorIndex.from_safetensors(comp.weights, rename))
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:

@@ -7,6 +7,7 @@ actually read, so that a job of another family never pays for them.
 """
 
 import json
+import math
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any
@@ -60,9 +61,18 @@ def init_dir(directory: Path, size: str, seed: int = 0) -> Any:
 
 
 def param_count(source: ModelSource) -> int:
-    """From the headers: every tensor of every component file."""
-    return sum(info.numel for comp in source.config.files.values() if comp.weights is not None
-               for info in read_header(comp.weights).values())
+    """From the headers: every tensor of every component file (a `dit:` file's through dit_file.inspect)."""
+    total = 0
+    for name, comp in source.config.files.items():
+        if comp.weights is None:
+            continue
+        if name == "dit" and source.config.dit_file is not None:
+            from avatar_cli.families.wan_s2v.dit_file import inspect
+
+            total += sum(math.prod(s) for s in inspect(comp.weights).shapes.values())
+        else:
+            total += sum(info.numel for info in read_header(comp.weights).values())
+    return total
 
 
 def weight_files(source: ModelSource) -> list[Path]:
@@ -88,6 +98,18 @@ def report(directory: Path) -> dict:
             "summary": "ok" if r.ok else "problems in " + ", ".join(bad) + " (see the report above)"}
 
 
+def dit_file(source: ModelSource, path: Path) -> Any:
+    """The config with its DiT from one file (a job's `dit:`), checked from the file's header."""
+    from avatar_cli.families.wan_s2v import model_dir
+
+    return model_dir.with_dit_file(source.config, path)
+
+
+def recognises(path: Path) -> bool:
+    """A release directory in either layout (file names only), or a single-file DiT (`avatar models check`)."""
+    return wan_files.looks_like(path) or (path.is_file() and path.suffix in (".safetensors", ".gguf"))
+
+
 def prompt_identity(source: ModelSource) -> tuple[str, str, str]:
     """umT5's weights (the index and each shard of a sharded Diffusers text_encoder/, and its config.json), the
     tokenizer folder, and the S2V negative prompt encoded with every prompt."""
@@ -109,6 +131,11 @@ def prompt_identity(source: ModelSource) -> tuple[str, str, str]:
 def lora(source: ModelSource, path: Path, rank: int, scale: float | None) -> Any:
     """LiveAvatar's LoRA, checked against the DiT from headers only."""
     from avatar_cli.families.wan_s2v.lora import checked_lora
+
+    dit = source.config.dit_file
+    if dit is not None and Path(dit).suffix == ".gguf":
+        raise InputError(f"lora: {path}: a GGUF DiT ({dit}) keeps its weights quantized, so no LoRA can be "
+                         "merged into them; use the bf16 or FP8-scaled DiT with a LoRA")
 
     return checked_lora(source.config.dit, path, rank, scale)
 
@@ -133,7 +160,7 @@ def budget(config: Any, mode: str, size: tuple[int, int], dtype: Any, steps: int
 
 
 WAN_S2V = FamilySpec(
-    name="wan-s2v", family=family, recognises=wan_files.looks_like, read=read_config, check=check_model,
+    name="wan-s2v", family=family, recognises=recognises, read=read_config, check=check_model,
     load=load_modules, init=init_dir, param_count=param_count, report=report, weight_files=weight_files,
-    sizes=("tiny",), modes=MODES, prompt_identity=prompt_identity, lora=lora,
+    sizes=("tiny",), modes=MODES, prompt_identity=prompt_identity, lora=lora, dit_file=dit_file,
     presets={"wan-s2v-14b": release_config}, budget=budget)

@@ -1,0 +1,187 @@
+"""The DiT as one file: ComfyUI's single-file repackagings (bf16, or FP8-scaled) and GGUF quantizations.
+
+What a file is, from its header alone (`inspect`): its format (safetensors or GGUF), the prefix before the official
+names, whether it is scaled FP8, its tensor types, and whether it is a Wan2.2-S2V DiT at all: ComfyUI tells the S2V
+model from the other Wan DiTs by `casual_audio_encoder.encoder.final_linear.weight` (comfy/model_detection.py), and
+a Wan DiT by `head.modulation`; a file without them is named as another model's.
+
+Loading (`load`): the bf16/fp16/fp32 safetensors file lazily, exactly as the official shards (each rank reads its own
+rows; the names mapped by adapter_dit); the FP8-scaled file whole, every FP8 weight dequantized at load to the dtype
+of the file's other weights (fp8 x scale_weight, as ComfyUI's own fallback computes it); a GGUF file whole, its
+quantized weights left quantized and dequantized per layer at run time (modules/gguf_weights.py).
+"""
+
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from avatar_cli.errors import InputError
+from avatar_cli.families.wan_s2v import adapter_dit
+from avatar_cli.families.wan_s2v.dit import WanDiTParams, WanS2VDiT
+from avatar_cli.modules.loading import TensorIndex, mismatch_problems
+from avatar_cli.modules.module import Module, build_meta, lazy_module
+from avatar_cli.modules.tensor_files import CheckpointFormatError, read_header
+
+SUFFIXES = (".safetensors", ".gguf")
+S2V_MARKER = "casual_audio_encoder.encoder.final_linear.weight"
+WAN_MARKER = "head.modulation"
+GGUF_ARCH = "wan"  # general.architecture of ComfyUI-GGUF's Wan files (tools/convert.py ModelWan)
+
+
+@dataclass
+class DitFile:
+    """A single-file DiT as its header describes it."""
+
+    path: Path
+    format: str  # "comfy" (safetensors, bf16/fp16/fp32), "comfy-fp8" (scaled FP8) or "gguf"
+    prefix: str  # before the official names: "" or "model.diffusion_model."
+    shapes: dict[str, tuple[int, ...]]  # official name -> shape
+    types: Counter = field(default_factory=Counter)  # dtype or GGML type name -> tensor count
+    nbytes: int = 0
+    problems: list[str] = field(default_factory=list)  # why it cannot be read as a Wan2.2-S2V DiT
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def describe(self) -> str:
+        kind = {"comfy": "single-file safetensors", "comfy-fp8": "single-file scaled FP8 safetensors",
+                "gguf": "GGUF"}[self.format]
+        return f"{kind} ({', '.join(f'{k} x{v}' for k, v in self.types.most_common())})"
+
+
+def looks_like(path: Path) -> bool:
+    return path.is_file() and path.suffix in SUFFIXES
+
+
+def _model_problem(names) -> str | None:
+    if S2V_MARKER in names and "audio_injector.injector.0.q.weight" in names:
+        return None
+    if WAN_MARKER in names:
+        return "a Wan DiT of another model (no S2V audio encoder or injectors: T2V, I2V, ...), not Wan2.2-S2V"
+    return "not a Wan DiT (no head.modulation)"
+
+
+def inspect(path: str | Path) -> DitFile:
+    """The file's format, names and shapes from its header; `problems` says why it is not a readable S2V DiT."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointFormatError(f"{path}: no such file")
+    if path.suffix == ".gguf":
+        return _inspect_gguf(path)
+    if path.suffix != ".safetensors":
+        raise CheckpointFormatError(f"{path}: a DiT file is a .safetensors or .gguf file")
+    header = read_header(path)
+    prefix = adapter_dit.comfy_prefix(header)
+    fp8 = any(info.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) for info in header.values())
+    shapes, types, nbytes = {}, Counter(), 0
+    for name, info in header.items():
+        nbytes += info.nbytes
+        official = adapter_dit.comfy_to_official_key(name, prefix)
+        if official is None:
+            continue
+        shapes[official] = info.shape
+        types[str(info.dtype).removeprefix("torch.")] += 1
+    f = DitFile(path, "comfy-fp8" if fp8 else "comfy", prefix, shapes, types, nbytes)
+    problem = _model_problem(shapes)
+    if problem:
+        f.problems.append(f"{path.name}: {problem}")
+    return f
+
+
+def _inspect_gguf(path: Path) -> DitFile:
+    from avatar_cli.modules.gguf_weights import GGUFFile, supported
+
+    g = GGUFFile(path)
+    prefix = adapter_dit.comfy_prefix(g.tensors)
+    shapes, types, nbytes = {}, Counter(), 0
+    for name, t in g.tensors.items():
+        nbytes += t.nbytes
+        if prefix and not name.startswith(prefix):
+            continue
+        shapes[name[len(prefix):]] = t.shape
+        types[t.qtype] += 1
+    f = DitFile(path, "gguf", prefix, shapes, types, nbytes)
+    arch = g.field("general.architecture")
+    if arch is not None and arch != GGUF_ARCH:
+        f.problems.append(f"{path.name}: GGUF architecture {arch!r}, not a Wan DiT ({GGUF_ARCH!r})")
+    else:
+        problem = _model_problem(shapes)
+        if problem:
+            f.problems.append(f"{path.name}: {problem}")
+    bad = sorted(q for q in types if not supported(q))
+    if bad:
+        f.problems.append(f"{path.name}: GGUF tensor type(s) {', '.join(bad)} cannot be dequantized here "
+                          "(readable: F32, F16, BF16, Q8_0, Q4_K, Q5_K, Q6_K and the types gguf dequantizes)")
+    return f
+
+
+@torch.no_grad()
+def expected_shapes(params: WanDiTParams) -> dict[str, tuple[int, ...]]:
+    return {k: tuple(v.shape) for k, v in build_meta(WanS2VDiT, params).state_dict().items()}
+
+
+def params_of(f: DitFile, presets: dict[str, WanDiTParams]) -> tuple[str, WanDiTParams]:
+    """The preset whose names and shapes the file holds exactly, else the one sharing most (name, shape) pairs
+    with it (to compare a damaged or foreign file with what it is closest to); (name, params)."""
+    found = set(f.shapes.items())
+    score = {name: len(found & set(expected_shapes(p).items())) for name, p in presets.items()}
+    best = max(score, key=score.get)
+    return best, presets[best]
+
+
+def problems_against(f: DitFile, params: WanDiTParams) -> list[str]:
+    """The file's missing, unexpected and mis-shaped names against the DiT of `params`, in words."""
+    return mismatch_problems(expected_shapes(params), f.shapes)
+
+
+def check_or_fail(f: DitFile, params: WanDiTParams) -> None:
+    problems = f.problems or problems_against(f, params)
+    if problems:
+        raise InputError(f"dit: {f.path}: the file does not fit the wan-s2v DiT: " + "; ".join(problems))
+
+
+def load(f: DitFile, params: WanDiTParams) -> Module:
+    """The DiT from one file (see the module's docstring for what each format costs)."""
+    check_or_fail(f, params)
+    if f.format == "comfy":
+        prefix = f.prefix
+        index = TensorIndex.from_safetensors(f.path, rename=lambda n: adapter_dit.comfy_to_official_key(n, prefix))
+        return lazy_module("dit", WanS2VDiT, params, index)
+    if f.format == "comfy-fp8":
+        return _load_fp8(f, params)
+    return _load_gguf(f, params)
+
+
+def _load_fp8(f: DitFile, params: WanDiTParams) -> Module:
+    from safetensors import safe_open
+
+    model = build_meta(WanS2VDiT, params)
+    with safe_open(str(f.path), framework="pt", device="cpu") as st:
+        names = list(st.keys())
+        plain = [n for n in names if adapter_dit.comfy_to_official_key(n, f.prefix) is not None]
+        # The dtype the weights have where they are not FP8 (bf16 in the release's repackaging).
+        floats = Counter(st.get_slice(n).get_dtype() for n in plain)
+        other = next((d for d, _ in floats.most_common() if not d.startswith("F8")), "BF16")
+        dtype = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}.get(other, torch.bfloat16)
+        state = {}
+        for name in plain:
+            t = st.get_tensor(name)
+            if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+                scale_name = name.removesuffix(".weight") + adapter_dit.FP8_SCALE
+                scale = st.get_tensor(scale_name) if scale_name in names else None
+                t = adapter_dit.dequantize_scaled_fp8(t, scale, dtype)
+            state[adapter_dit.comfy_to_official_key(name, f.prefix)] = t
+    model.load_state_dict(state, strict=True, assign=True)
+    return Module("dit", model, str(f.path))
+
+
+def _load_gguf(f: DitFile, params: WanDiTParams) -> Module:
+    from avatar_cli.modules.gguf_weights import GGUFFile, fill_from_gguf
+
+    model = build_meta(WanS2VDiT, params)
+    names = {k: f.prefix + k for k in model.state_dict()}
+    fill_from_gguf(model, GGUFFile(f.path), names, torch.float32)
+    return Module("dit", model, str(f.path))
