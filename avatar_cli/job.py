@@ -131,7 +131,7 @@ def resolve_source(job: Job) -> ModelSource:
     2 before any load)."""
     source = job.source if job.source is not None else resolve_model(job.model, job.path.parent)
     if job.dit is not None:
-        source = with_dit(source, job.dit)
+        source = with_dit(source, job.dit, job.spec.runtime.weights.value)
     check_model(source)
     source = with_mode(source, job.spec.mode)
     if job.lora is not None:

@@ -18,7 +18,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from avatar_cli.families.wan_s2v.dit import WanDiTParams, WanS2VDiT  # noqa: E402
+from avatar_cli.families.wan_s2v.family import QUANTIZED  # noqa: E402
 from avatar_cli.modules.module import build_meta  # noqa: E402
+from avatar_cli.runtime.quantize import quantized_bytes  # noqa: E402
 from tests.gguf_files import T, city96_type  # noqa: E402
 
 BF16 = 2
@@ -32,7 +34,13 @@ def main() -> None:
     print("| format | in memory (GB) | quantized tensors | largest weight dequantized per layer (MB, bf16) |")
     print("|---|---|---|---|")
     print(f"| bf16 (official shards, Diffusers, ComfyUI bf16) | {total * BF16 / 1e9:.2f} | 0 | - |")
-    print(f"| ComfyUI fp8_scaled (dequantized at load) | {total * BF16 / 1e9:.2f} | 0 | - |")
+    # The file's FP8 Linears of the blocks and injectors stay FP8 (1 byte a weight; torchao's layout counts the
+    # scale per row where the file has one per tensor: 4 bytes x rows more, under 0.01 GB in all).
+    model = build_meta(WanS2VDiT, WanDiTParams.full())
+    paths = dict(QUANTIZED)["dit"]
+    fp8 = quantized_bytes(model, "fp8", paths, torch.bfloat16)
+    print(f"| ComfyUI fp8_scaled (its block and injector Linears kept FP8) | {fp8 / 1e9:.2f} | - | - |")
+    print(f"| ComfyUI fp8_scaled with a LoRA (dequantized at load) | {total * BF16 / 1e9:.2f} | 0 | - |")
     for qtype in (T.Q8_0, T.Q6_K, T.Q5_K, T.Q4_K):
         block, size = gguf.GGML_QUANT_SIZES[qtype]
         nbytes, largest, count = 0, 0, 0

@@ -29,10 +29,12 @@ from avatar_cli.families.wan_s2v import adapter_dit
 from avatar_cli.families.wan_s2v import dit_file
 from avatar_cli.families.wan_s2v import model_dir as wan
 from avatar_cli.families.wan_s2v.dit import WanDiTParams, WanS2VDiT
+from avatar_cli.families.wan_s2v.family import QUANTIZED
 from avatar_cli.families.wan_s2v.files import DIFFUSERS, OFFICIAL
 from avatar_cli.modules import gguf_weights
 from avatar_cli.modules.loading import TensorIndex
 from avatar_cli.modules.module import lazy_module
+from avatar_cli.runtime.quantize import is_quantized
 from tests.conftest import avatar, write_reference, write_wav
 from tests.gguf_files import T, write_dit_gguf
 
@@ -65,7 +67,7 @@ def loaded(module) -> dict[str, torch.Tensor]:
                 owner, attr = k.removesuffix(".original").split(".parametrizations.")
                 out[f"{owner}.{attr}"] = getattr(model.get_submodule(owner), attr).detach()
             continue
-        out[k] = v
+        out[k] = v.dequantize() if is_quantized(v) else v  # an FP8 weight kept as stored: qdata x scale
     return out
 
 
@@ -173,8 +175,9 @@ def fp8_file(state: dict[str, torch.Tensor], path: Path) -> None:
 
 
 def test_comfy_fp8_scaled_file(official, tmp_path):
-    """Dequantized at load (fp8 x scale_weight, ComfyUI's arithmetic): every weight within e4m3's rounding of
-    the official one (3 mantissa bits: half an ulp is 2^-4 of the value; values under the smallest normal,
+    """The blocks' and injectors' FP8 Linears kept as stored (1 byte a weight and the file's scale, dequantized
+    in each forward), the other FP8 tensors dequantized at load (fp8 x scale_weight, ComfyUI's arithmetic); with
+    a LoRA to merge, everything dequantized at load. Every weight within e4m3's rounding of the official one (3 mantissa bits: half an ulp is 2^-4 of the value; values under the smallest normal,
     2^-6 x scale, are off by at most half a subnormal step, 2^-10 x scale), the rest bit-identical.
 
     The DiT's output against the official weights' (float32, 2 latent frames at 64x64 pixels) measured 5.2e-2
@@ -186,8 +189,12 @@ def test_comfy_fp8_scaled_file(official, tmp_path):
     info = dit_file.inspect(f)
     assert info.format == "comfy-fp8" and info.ok and "float8_e4m3fn" in info.types
     cfg = wan.with_dit_file(wan.read_config(official), f)
-    module = wan.load_dit(cfg)
+    module = wan.load_dit(cfg, dict(QUANTIZED)["dit"])
+    kept = [n for n, m in module.model.named_modules() if isinstance(m, torch.nn.Linear) and is_quantized(m.weight)]
+    assert len(kept) == 3 * 8 + 3 * 2 + 2 * 4 and all(n.startswith(("blocks.", "audio_injector.")) for n in kept)
+    assert all(module.model.get_submodule(n).weight.qdata.dtype == torch.float8_e4m3fn for n in kept)
     got = loaded(module)
+    assert all(torch.equal(got[k], v) for k, v in loaded(wan.load_dit(cfg)).items())
     quantized = 0
     for k, v in state.items():
         if v.dim() == 2 and k.endswith(".weight") and "trainable_cond_mask" not in k:
@@ -278,6 +285,25 @@ def test_gguf_dit_stays_quantized_and_matches(official, tmp_path, qtype):
     assert 0 < err < bound, (err, measured)
 
 
+@torch.no_grad()
+def test_gguf_dit_streams_through_block_offload(official, tmp_path):
+    """runtime.offload: block moves a GGUF DiT's blocks as their quantized bytes (the CPU standing in for the
+    GPU): the same output as the DiT left in place."""
+    from avatar_cli.runtime.offload import BlockOffloader, HostTransfer
+
+    f = tmp_path / "q8.gguf"
+    write_dit_gguf(f, dit_state(official), T.Q8_0)
+    model = dit_file.load(dit_file.inspect(f), wan.tiny_dit()).model
+    ref = model(*dit_inputs(wan.tiny_dit()))
+    t = HostTransfer()
+    off = BlockOffloader(model, t)
+    with off.stage():
+        out = model(*dit_inputs(wan.tiny_dit()))
+    assert torch.equal(out, ref) and t.loads[:3] == ["root", "block 0", "block 1"]
+    packed = sum(p.numel() for b in model.blocks for p in b.parameters() if p.dtype == torch.uint8)
+    assert packed > 0 and t.peak_bytes < sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 def test_models_check_on_files(official, tmp_path):
     comfy = tmp_path / "wan2.2_s2v_14B_bf16.safetensors"
     save_file({adapter_dit.COMFY_PREFIX + k: v for k, v in dit_state(official).items()}, str(comfy))
@@ -336,15 +362,18 @@ def test_jobs_with_a_dit_file_render(official, tmp_path):
         return avatar("render", str(job), "--json")
 
     digests = {}
+    fp8 = tmp_path / "wan2.2_s2v_14B_fp8_scaled.safetensors"
+    fp8_file(dit_state(official), fp8)
     for name, model, extra in (("official", official, ""), ("comfy", no_shards, f"dit: {comfy}\n"),
-                               ("q8", no_shards, f"dit: {q8.name}\n")):
+                               ("q8", no_shards, f"dit: {q8.name}\n"), ("fp8", no_shards, f"dit: {fp8}\n")):
         result = render(name, model, extra)
         assert result.returncode == 0, result.stderr[-2000:]
         done = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")][-1]
         assert done["frames"] == 16
         digests[name] = done["frames_digest"]
     assert digests["comfy"] == digests["official"]
-    assert digests["q8"] != digests["official"]  # quantized: close (test_gguf_dit_stays_quantized_and_matches)
+    # Quantized: close to the official frames (the DiT-level bounds above), not equal.
+    assert digests["q8"] != digests["official"] and digests["fp8"] != digests["official"]
 
     t2v = tmp_path / "t2v.safetensors"
     save_file({k: v for k, v in dit_state(official).items() if not k.startswith("audio_injector")}, str(t2v))
@@ -355,3 +384,6 @@ def test_jobs_with_a_dit_file_render(official, tmp_path):
                "blocks.0.self_attn.q.lora_B.weight": torch.zeros(64, 4)}, str(lora))
     result = render("lora", no_shards, f"dit: {q8}\nlora: {lora}\nlora_rank: 4\n")
     assert result.returncode == 2 and "GGUF" in result.stderr, result.stderr[-500:]
+    for dit in (q8, fp8):  # quantized already: not quantized a second time
+        result = render("twice", no_shards, f"dit: {dit}\nruntime: {{weights: int8}}\n")
+        assert result.returncode == 2 and "already" in result.stderr, result.stderr[-500:]

@@ -91,11 +91,12 @@ def with_lora(source: ModelSource, path: Path, rank: int, scale: float | None) -
     return dataclasses.replace(source, lora=source.spec.lora(source, path, rank, scale))
 
 
-def with_dit(source: ModelSource, path: Path) -> ModelSource:
-    """The source with its DiT read from one file (a job's `dit:`), checked from the file's header."""
+def with_dit(source: ModelSource, path: Path, weights: str = "bf16") -> ModelSource:
+    """The source with its DiT read from one file (a job's `dit:`), checked from the file's header (and against
+    `runtime.weights`, for a file whose weights are quantized already)."""
     if source.spec.dit_file is None or source.path is None:
         raise InputError(f"dit: the {source.family_name} family reads its DiT from its model directory only")
-    return dataclasses.replace(source, config=source.spec.dit_file(source, path), dit=path)
+    return dataclasses.replace(source, config=source.spec.dit_file(source, path, weights), dit=path)
 
 
 def with_mode(source: ModelSource, mode: str) -> ModelSource:

@@ -40,8 +40,8 @@ class FamilySpec:
     prompt_identity: source -> (text encoder digest, tokenizer digest, negative prompt): what makes its prompt
       encodings equal, the text cache's key; None: the family's prompts are not cached (a render says so).
     lora: (source, path, rank, scale) -> the checked LoRA the DiT merges at load; None: the family takes none.
-    dit_file: (source, path) -> its config with the DiT read from that one file (a job's `dit:`); None: the
-      family reads its DiT from the model directory only.
+    dit_file: (source, path, runtime.weights) -> its config with the DiT read from that one file (a job's `dit:`);
+      None: the family reads its DiT from the model directory only.
     shipped: shipped model name -> its size (weights under avatar_cli/weights/<name>, else a random init).
     presets: sizes a job may name without weights (`model: wan-s2v-14b`), name -> a function giving the config:
       `avatar plan` counts them on the meta device; a render refuses them (it needs the weights).
@@ -63,7 +63,7 @@ class FamilySpec:
     modes: tuple[str, ...] = ("clip",)
     prompt_identity: Callable[["ModelSource"], tuple[str, str, str]] | None = None
     lora: Callable[["ModelSource", Path, int, float | None], Any] | None = None
-    dit_file: Callable[["ModelSource", Path], Any] | None = None
+    dit_file: Callable[["ModelSource", Path, str], Any] | None = None
     shipped: Mapping[str, Any] = field(default_factory=dict)
     presets: Mapping[str, Callable[[], Any]] = field(default_factory=dict)
     budget: Callable[..., Any] | None = None

@@ -194,13 +194,14 @@ def dequantize(raw: torch.Tensor, qtype: str, shape: tuple[int, ...]) -> torch.T
 
 
 class Dequantize(nn.Module):
-    """The parametrization of one quantized weight: its stored bytes -> the float weight, in the dtype of the
-    `like` buffer (which `model.to(dtype)` casts with the rest of the model; the bytes, uint8, stay as they are)."""
+    """The parametrization of one quantized weight: its stored bytes -> the float weight, in the dtype of `like`,
+    a 0-d parameter that `model.to(dtype)` casts with the rest of the model (the bytes, uint8, stay as they are).
+    A parameter rather than a buffer: offload moves parameters only."""
 
     def __init__(self, qtype: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32):
         super().__init__()
         self.qtype, self.shape = qtype, tuple(shape)
-        self.register_buffer("like", torch.zeros((), dtype=dtype))
+        self.like = nn.Parameter(torch.zeros((), dtype=dtype), requires_grad=False)
 
     def forward(self, raw: torch.Tensor) -> torch.Tensor:
         return dequantize(raw, self.qtype, self.shape).to(self.like.dtype)  # (shape) the layer's weight

@@ -6,9 +6,15 @@ model from the other Wan DiTs by `casual_audio_encoder.encoder.final_linear.weig
 a Wan DiT by `head.modulation`; a file without them is named as another model's.
 
 Loading (`load`): the bf16/fp16/fp32 safetensors file lazily, exactly as the official shards (each rank reads its own
-rows; the names mapped by adapter_dit); the FP8-scaled file whole, every FP8 weight dequantized at load to the dtype
-of the file's other weights (fp8 x scale_weight, as ComfyUI's own fallback computes it); a GGUF file whole, its
-quantized weights left quantized and dequantized per layer at run time (modules/gguf_weights.py).
+rows; the names mapped by adapter_dit); the FP8-scaled file whole, its FP8 Linears of the blocks and audio injectors
+(the ones `runtime.weights: fp8` would quantize) kept as they are stored, FP8 with their per-tensor scale, as
+runtime/quantize.py's fp8 weights (dequantized per layer in each forward), every other FP8 tensor dequantized at load
+(fp8 x scale_weight, as ComfyUI's own fallback computes it); a GGUF file whole, its quantized weights left quantized
+and dequantized per layer at run time (modules/gguf_weights.py).
+
+These weights are quantized already, so a job reading them keeps `runtime.weights: bf16` (a file's FP8 or GGUF
+weights are not quantized a second time); with a LoRA, the FP8 file is dequantized whole at load, for the LoRA to
+merge into float weights, and a GGUF file is refused (`families/wan_s2v/spec.py`).
 """
 
 from collections import Counter
@@ -16,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from avatar_cli.errors import InputError
 from avatar_cli.families.wan_s2v import adapter_dit
@@ -143,22 +150,50 @@ def check_or_fail(f: DitFile, params: WanDiTParams) -> None:
         raise InputError(f"dit: {f.path}: the file does not fit the wan-s2v DiT: " + "; ".join(problems))
 
 
-def load(f: DitFile, params: WanDiTParams) -> Module:
-    """The DiT from one file (see the module's docstring for what each format costs)."""
+def load(f: DitFile, params: WanDiTParams, keep_fp8: tuple[str, ...] = ()) -> Module:
+    """The DiT from one file (see the module's docstring for what each format costs). keep_fp8: the module paths
+    under which a scaled-FP8 file's Linears stay FP8 (the family's `ParallelPlan.quantized` ones); () dequantizes
+    everything at load (for a LoRA to merge into)."""
     check_or_fail(f, params)
     if f.format == "comfy":
         prefix = f.prefix
         index = TensorIndex.from_safetensors(f.path, rename=lambda n: adapter_dit.comfy_to_official_key(n, prefix))
         return lazy_module("dit", WanS2VDiT, params, index)
     if f.format == "comfy-fp8":
-        return _load_fp8(f, params)
+        return _load_fp8(f, params, keep_fp8)
     return _load_gguf(f, params)
 
 
-def _load_fp8(f: DitFile, params: WanDiTParams) -> Module:
+def quantized_already(f: DitFile) -> str | None:
+    """What makes a file's weights quantized already ("scaled FP8", "GGUF Q4_K, Q6_K"), None for float files."""
+    if f.format == "comfy-fp8":
+        return "scaled FP8"
+    if f.format == "gguf":
+        quantized = [t for t in f.types if t not in ("F32", "F16", "BF16")]
+        return f"GGUF {', '.join(sorted(quantized))}" if quantized else None
+    return None
+
+
+def _fp8_in_runtime_dtype(model: nn.Module) -> None:
+    """After-load step of a DiT holding FP8 weights: placement gave its float weights the runtime dtype; each FP8
+    weight now reports (and dequantizes to) that dtype too, its stored bytes and scale unchanged."""
+    from avatar_cli.runtime.quantize import fp8_weight, is_quantized
+
+    dtype = model.patch_embedding.weight.dtype
+    for m in model.modules():
+        if isinstance(m, nn.Linear) and is_quantized(m.weight) and m.weight.dtype != dtype:
+            w = m.weight
+            m.weight = nn.Parameter(fp8_weight(w.qdata, w.scale, dtype), requires_grad=False)
+
+
+def _load_fp8(f: DitFile, params: WanDiTParams, keep: tuple[str, ...]) -> Module:
     from safetensors import safe_open
 
+    from avatar_cli.runtime.quantize import fp8_weight, linears_under
+
     model = build_meta(WanS2VDiT, params)
+    kept = {name + ".weight": layer for name, layer in linears_under(model, keep).items()} if keep else {}
+    stored = {}  # official name -> (fp8 data, scale): the weights kept as stored
     with safe_open(str(f.path), framework="pt", device="cpu") as st:
         names = list(st.keys())
         plain = [n for n in names if adapter_dit.comfy_to_official_key(n, f.prefix) is not None]
@@ -169,13 +204,22 @@ def _load_fp8(f: DitFile, params: WanDiTParams) -> Module:
         state = {}
         for name in plain:
             t = st.get_tensor(name)
+            official = adapter_dit.comfy_to_official_key(name, f.prefix)
             if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
                 scale_name = name.removesuffix(".weight") + adapter_dit.FP8_SCALE
-                scale = st.get_tensor(scale_name) if scale_name in names else None
-                t = adapter_dit.dequantize_scaled_fp8(t, scale, dtype)
-            state[adapter_dit.comfy_to_official_key(name, f.prefix)] = t
+                scale = st.get_tensor(scale_name) if scale_name in names else torch.ones(())
+                if official in kept and t.dtype == torch.float8_e4m3fn:
+                    stored[official] = (t, scale)
+                    t = torch.empty(t.shape, dtype=dtype)  # (out, in) placeholder: replaced below, never read
+                else:
+                    t = adapter_dit.dequantize_scaled_fp8(t, scale, dtype)
+            state[official] = t
     model.load_state_dict(state, strict=True, assign=True)
-    return Module("dit", model, str(f.path))
+    for name, (data, scale) in stored.items():
+        layer = kept[name]
+        # Reported as float32 until placement has given the float weights their dtype (_fp8_in_runtime_dtype).
+        layer.weight = nn.Parameter(fp8_weight(data, scale, torch.float32), requires_grad=False)
+    return Module("dit", model, str(f.path), after_load=_fp8_in_runtime_dtype if stored else None)
 
 
 def _load_gguf(f: DitFile, params: WanDiTParams) -> Module:

@@ -228,13 +228,16 @@ def read_config(path: Path, dit_file: Path | None = None) -> WanS2VConfig:
                         Path(dit_file) if dit_file is not None else None)
 
 
-def with_dit_file(cfg: WanS2VConfig, path: Path) -> WanS2VConfig:
+def with_dit_file(cfg: WanS2VConfig, path: Path, weights: str = "bf16") -> WanS2VConfig:
     """The config with its DiT read from `path` (a job's `dit:`), checked from the file's header: a file of
-    another model, of other sizes, or of a GGUF type that cannot be read is an InputError naming it."""
-    if cfg.dit_file is not None and Path(cfg.dit_file) == Path(path):
-        return cfg
+    another model, of other sizes, or of a GGUF type that cannot be read is an InputError naming it, and so is
+    `runtime.weights` (weights: fp8 | int8) asking to quantize weights the file stores quantized already."""
     f = dit_file_mod.inspect(path)
     dit_file_mod.check_or_fail(f, cfg.dit)
+    already = dit_file_mod.quantized_already(f)
+    if already and weights != "bf16":
+        raise InputError(f"runtime.weights: {weights} with dit: {path}: its weights are {already} already; "
+                         "runtime.weights: bf16 keeps them as stored (the other weights in the runtime dtype)")
     return dataclasses.replace(cfg, dit_file=Path(path))
 
 
@@ -311,11 +314,12 @@ def check_or_fail(cfg: WanS2VConfig) -> None:
                          + f" (run `avatar models check {cfg.path}` for the full report)")
 
 
-def load_dit(cfg: WanS2VConfig) -> Module:
+def load_dit(cfg: WanS2VConfig, keep_fp8: tuple[str, ...] = ()) -> Module:
     """Lazy: built on meta from config.json with its headers checked; placement reads it onto the device, or
-    under FSDP2 each rank only its own rows (modules/loading.py), so 14B is never copied once per rank."""
+    under FSDP2 each rank only its own rows (modules/loading.py), so 14B is never copied once per rank. A job's
+    `dit:` file: dit_file.load (keep_fp8: the paths under which a scaled-FP8 file's Linears stay FP8)."""
     if cfg.dit_file is not None:
-        return dit_file_mod.load(dit_file_mod.inspect(cfg.dit_file), cfg.dit)
+        return dit_file_mod.load(dit_file_mod.inspect(cfg.dit_file), cfg.dit, keep_fp8)
     comp = cfg.files["dit"]
     rename = None
     if cfg.dit_names == "diffusers":  # diffusers' names read back to ours; a name it lacks is reported as is

@@ -43,12 +43,14 @@ def check_model(source: ModelSource) -> None:
 
 def load_modules(source: ModelSource, skip: Collection[str] = ()) -> dict[str, Module]:
     from avatar_cli.families.wan_s2v import model_dir as wan
+    from avatar_cli.families.wan_s2v.family import QUANTIZED
 
-    if not skip:
-        modules = wan.load_components(source.config)
-    else:
-        loaders = {"text": wan.load_text, "audio": wan.load_audio, "dit": wan.load_dit, "vae": wan.load_vae}
-        modules = {name: load(source.config) for name, load in loaders.items() if name not in skip}
+    # A scaled-FP8 DiT file keeps its FP8 Linears where runtime.weights would quantize, except under a LoRA,
+    # which merges into float weights.
+    keep_fp8 = dict(QUANTIZED)["dit"] if source.lora is None else ()
+    loaders = {"text": wan.load_text, "audio": wan.load_audio, "dit": lambda cfg: wan.load_dit(cfg, keep_fp8),
+               "vae": wan.load_vae}
+    modules = {name: load(source.config) for name, load in loaders.items() if name not in skip}
     if source.lora is not None and "dit" in modules:
         modules["dit"].after_load = source.lora  # placement merges it once the weights are loaded
     return modules
@@ -98,11 +100,12 @@ def report(directory: Path) -> dict:
             "summary": "ok" if r.ok else "problems in " + ", ".join(bad) + " (see the report above)"}
 
 
-def dit_file(source: ModelSource, path: Path) -> Any:
-    """The config with its DiT from one file (a job's `dit:`), checked from the file's header."""
+def dit_file(source: ModelSource, path: Path, weights: str) -> Any:
+    """The config with its DiT from one file (a job's `dit:`), checked from the file's header against the job's
+    `runtime.weights`."""
     from avatar_cli.families.wan_s2v import model_dir
 
-    return model_dir.with_dit_file(source.config, path)
+    return model_dir.with_dit_file(source.config, path, weights)
 
 
 def recognises(path: Path) -> bool:
