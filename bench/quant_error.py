@@ -1,0 +1,112 @@
+"""How far `runtime.weights: int8 | fp8` moves wan-s2v's output from the unquantized weights, on the CPU at the tiny size:
+
+- the DiT forward on the golden tiny weights against the official WanModel_S2V's outputs (tests/golden/wan_s2v,
+  cases a, b, c), with float32 and with bfloat16 activations (bf16 weights alone, for scale);
+- whole renders of the tiny random model (2 s, 4 steps, 64x64, lossless video) in the clip and the streaming mode,
+  against the same render with unquantized float32 weights: mean and max |diff| of the frames in 8-bit levels.
+And the bytes of the DiT at full size (the 14B release's sizes, counted on the meta device).
+
+    python bench/quant_error.py
+
+The tiny models' weights are random: this says how the rounding behaves through the architecture, not what it does
+to the released weights (bench/gpu_check.py --sections weights measures the full-size forward on a GPU)."""
+
+import copy
+import io
+import sys
+import tempfile
+from pathlib import Path
+
+import av
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from avatar_cli.families import registry  # noqa: E402
+from avatar_cli.families.wan_s2v.dit import WanDiTParams, WanS2VDiT  # noqa: E402
+from avatar_cli.families.wan_s2v.family import QUANTIZED  # noqa: E402
+from avatar_cli.modules.module import build_meta  # noqa: E402
+from avatar_cli.runtime.quantize import quantize_linears, quantized_bytes  # noqa: E402
+from tests.conftest import write_reference, write_wav  # noqa: E402
+
+GOLDEN = ROOT / "tests" / "golden" / "wan_s2v"
+PATHS = dict(QUANTIZED)["dit"]
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+@torch.no_grad()
+def dit_errors() -> None:
+    base = WanS2VDiT(WanDiTParams.tiny()).eval()
+    base.load_state_dict(load_file(GOLDEN / "dit_tiny_weights.safetensors"), strict=True)
+    cases = load_file(GOLDEN / "dit_cases.safetensors")
+    print("| activations | weights | rel. L2 vs official, cases a / b / c |\n|---|---|---|")
+    for dtype in (torch.float32, torch.bfloat16):
+        c = {k: v.to(dtype) if v.is_floating_point() else v for k, v in cases.items()}
+        for weights in ("bf16", "int8", "fp8"):
+            m = copy.deepcopy(base).to(dtype)
+            quantize_linears(m, weights, PATHS)
+            errs = []
+            for key in "abc":  # each case's own inputs (tests/test_wan_dit.py CASES)
+                g = lambda n: c[f"{key}.{n}"]  # noqa: E731
+                motion = None if bool(cases[f"{key}.drop_motion"]) else g("motion")
+                out = m(g("x"), g("t"), g("context"), g("ref"), motion, g("cond"), g("audio"))
+                errs.append(rel_l2(out, cases[f"{key}.out"]))
+            name = {"bf16": "runtime dtype"}.get(weights, weights)
+            print(f"| {str(dtype).removeprefix('torch.')} | {name} | " + " / ".join(f"{e:.2e}" for e in errs) + " |")
+
+
+def tiny_job(root: Path) -> Path:
+    """A tiny random wan-s2v model and a 2 s, 4-step, 64x64 job of it (float32, lossless video) in `root`."""
+    wan = root / "Wan2.2-S2V-tiny"
+    registry.init_family_dir(wan, "tiny", seed=0, family="wan-s2v")
+    write_reference(root / "ref.png")
+    write_wav(root / "speech.wav", 2.0)
+    (root / "job.yaml").write_text(
+        f"reference: ref.png\naudio: speech.wav\noutput: out/video.mp4\nmodel: {wan}\nprompt: a person talking\n"
+        "seed: 3\nvideo: {width: 64, height: 64, crf: 0}\nsampling: {steps: 4}\n"
+        "runtime: {dtype: float32, text_cache: off, threads: 1, decode: inline}\n")
+    return root / "job.yaml"
+
+
+def render_frames(job: Path, weights: str, mode: str) -> np.ndarray:
+    """One render of `job` in this process with runtime.weights and mode -> its frames as 0..255 floats."""
+    from avatar_cli.report import JsonReporter
+    from avatar_cli.runner import prepare, render
+    from avatar_cli.spec import load_job
+
+    out = job.parent / f"{mode}-{weights}.mp4"
+    p = prepare(load_job(job, [f"runtime.weights={weights}", f"output={out}", f"mode={mode}"]), force=True)
+    render(p, JsonReporter(io.StringIO()))
+    with av.open(str(out)) as f:
+        return np.stack([x.to_ndarray(format="rgb24") for x in f.decode(video=0)]).astype(np.float32)
+
+
+def render_errors() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        job = tiny_job(Path(tmp))
+        print("\n| mode | weights | mean \\|diff\\| (8-bit levels) | max |\n|---|---|---|---|")
+        for mode in ("clip", "streaming"):
+            frames = {weights: render_frames(job, weights, mode) for weights in ("bf16", "int8", "fp8")}
+            for weights in ("int8", "fp8"):
+                d = np.abs(frames[weights] - frames["bf16"])
+                print(f"| {mode} | {weights} | {d.mean():.3f} | {d.max():.0f} |")
+
+
+def full_size_bytes() -> None:
+    meta = build_meta(WanS2VDiT, WanDiTParams.full())
+    print("\n| DiT weights at full size | GB |\n|---|---|")
+    for weights in ("bf16", "int8", "fp8"):
+        print(f"| {weights} | {quantized_bytes(meta, weights, PATHS, torch.bfloat16) / 1e9:.3f} |")
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    dit_errors()
+    render_errors()
+    full_size_bytes()
