@@ -33,6 +33,7 @@ from avatar_cli.pipeline.schedule import choose_transitions, num_frames
 from avatar_cli.pipeline.steps import check_family, choose_parallel
 from avatar_cli.prompts import cache as prompt_cache
 from avatar_cli.runtime.device import Runtime, resolve_runtime
+from avatar_cli.runtime.quantize import check_setting as check_weights_setting
 from avatar_cli.spec import Decode, Job, Parallel, is_stream_input
 from avatar_cli.stages import decode_worker
 
@@ -196,6 +197,10 @@ def resolve(job: Job, force: bool = False, world_size: int | None = None) -> Res
     except ValueError as e:
         raise InputError(f"{job.path}: {e}") from None
     decode_worker.check_setting(job.spec.runtime.decode.value, family)
+    try:
+        check_weights_setting(job.spec.runtime.weights.value, family.name, family.parallel.quantized)
+    except ValueError as e:
+        raise InputError(f"{job.path}: {e}") from None
     runtime = job_runtime(job)
     # A named text service: up and serving this model's encoder, else exit 2.
     prompt_cache.check_service(job, model, runtime)

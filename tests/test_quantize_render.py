@@ -184,3 +184,50 @@ def test_mini_renders_with_int8_weights(job_dir: Path, tiny_model: Path):
     assert not is_quantized(block.ada.weight) and not is_quantized(modules["text"].model.blocks[0].qkv.weight)
     r = avatar("render", str(job_dir / "job.yaml"), "--json", "runtime.weights=int8", "runtime.threads=1")
     assert r.returncode == 0 and '"event": "done"' in r.stdout, r.stderr[-2000:]
+
+
+def test_weights_need_torchao_and_a_family_that_names_its_linears(tiny, monkeypatch):
+    from avatar_cli.runtime.quantize import check_setting
+    from tests.conftest import avatar
+
+    check_setting("bf16", "toy", ())  # nothing to check
+    with pytest.raises(ValueError, match="the toy family has no weights to quantize"):
+        check_setting("fp8", "toy", ())
+    monkeypatch.setitem(sys.modules, "torchao", None)  # as if not installed
+    r = avatar("validate", str(tiny / "job.yaml"), "runtime.weights=int8")
+    assert r.returncode == 2 and "needs torchao: pip install 'avatar-cli[quant]'" in r.stderr, r.stderr
+
+
+def test_a_lazy_dit_is_read_and_quantized_a_block_at_a_time(tiny, monkeypatch):
+    """Without a LoRA, placement reads block i + 1 only once block i is quantized, and gets the weights a whole read
+    then quantized gives, bit for bit."""
+    from avatar_cli.modules import loading
+
+    read = loading.materialize
+    seen = []
+
+    def spy(model, index, device, dtype=None):
+        blocks = getattr(model, "blocks", None)
+        if blocks is None:  # a block: every block before it is quantized, every one after still on meta
+            seen.append([is_quantized(b.ffn[0].weight) if not b.ffn[0].weight.is_meta else None
+                         for b in spy.model.blocks])
+        read(model, index, device, dtype)
+
+    from avatar_cli.families.registry import load_modules, resolve_model
+
+    source = resolve_model(str(tiny / "Wan2.2-S2V-tiny"), tiny)
+    whole = load_modules(source)["dit"]
+    whole.to("cpu", torch.float32)
+    quantize_linears(whole.model, "int8", PATHS)
+    original = quantize_linears.__globals__["load_quantized"]
+
+    def load(model, index, dtype, weights, under):
+        spy.model = model
+        return original(model, index, dtype, weights, under)
+
+    monkeypatch.setattr(loading, "materialize", spy)
+    monkeypatch.setattr("avatar_cli.runtime.placement.load_quantized", load)
+    streamed, _ = placed_dit(tiny / "Wan2.2-S2V-tiny", "int8")
+    assert seen == [[None, None, None], [True, None, None], [True, True, None]]
+    want, got = quantized_state(whole.model), quantized_state(streamed.model)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)

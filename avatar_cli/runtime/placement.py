@@ -13,11 +13,12 @@
 - Lazy modules (`lazy_module`: still on the meta device) are read from their files where they run: whole onto
   the device (or host, when offloaded); a sharded one is sharded on meta first, then each rank reads only
   its shards' rows, so no rank ever holds the whole checkpoint.
-- `runtime.weights: fp8 | int8`: the components the family lists (ParallelPlan.quantized) are read whole into
-  host memory in the runtime dtype, get their after-load step (a LoRA merge, into the float weights), and have
-  their block Linears quantized (runtime/quantize.py) before anything else happens to them: offload packs the
-  quantized bytes, and only those reach the device. FSDP2 cannot shard torchao's quantized tensors, so under
-  several ranks a quantized component is replicated (at half its bf16 size) and `runtime.shard: shard` refuses it.
+- `runtime.weights: fp8 | int8`: the components the family lists (ParallelPlan.quantized) are read into host
+  memory in the runtime dtype and have their block Linears quantized (runtime/quantize.py) before anything else
+  happens to them, a block at a time; one with an after-load step (a LoRA merge, into the float weights, before
+  any rounding) is read whole first. Offload packs the quantized bytes, and only those reach the device. FSDP2
+  cannot shard torchao's quantized tensors, so under several ranks a quantized component is replicated (at half
+  its bf16 size) and `runtime.shard: shard` refuses it.
 
 The device behind offload is a `Transfer` plus the free memory it reports; tests pass a `HostTransfer`,
 so the whole placement runs on the CPU with the CPU standing in for the GPU.
@@ -41,7 +42,7 @@ from avatar_cli.runtime.frame_parallel import FrameParallel
 from avatar_cli.runtime.offload import (BlockOffloader, CudaTransfer, MappedCheckpoint, ModelOffloader, Transfer,
                                         host_available, host_tier_choice, model_bytes, offload_choice)
 from avatar_cli.runtime.parallelize import gpu_param_dtype, parallelize_model, prefetch_stage, reshard_stage
-from avatar_cli.runtime.quantize import check_weights, quantize_linears, stored_bytes
+from avatar_cli.runtime.quantize import check_weights, load_quantized, quantize_linears, stored_bytes
 from avatar_cli.runtime.sharding import choose_sharding
 from avatar_cli.families.base import ParallelPlan, check_degree
 
@@ -219,8 +220,8 @@ def place(modules: Mapping[str, Module], runtime: Runtime, dist: Dist, offload: 
 
 
 def _quantize(modules: Mapping[str, Module], runtime: Runtime, plan: ParallelPlan, weights: str) -> tuple[str, ...]:
-    """Quantize the plan's `quantized` components in host memory (read whole in the runtime dtype, after-load step
-    first); returns their names. bf16: nothing."""
+    """Quantize the plan's `quantized` components in host memory (read in the runtime dtype a block at a time, or
+    whole with the after-load step first); returns their names. bf16: nothing."""
     check_weights(weights)
     if weights == "bf16":
         return ()
@@ -229,9 +230,13 @@ def _quantize(modules: Mapping[str, Module], runtime: Runtime, plan: ParallelPla
         paths = plan.quantized_paths(name)
         if paths is None:
             continue
-        module.to("cpu", _dtype(name, runtime, plan))
-        _after_load(module)  # a LoRA merges into the float weights, before they are rounded to 1 byte
-        n = quantize_linears(module.model, weights, paths)
+        dtype = _dtype(name, runtime, plan)
+        if module.is_lazy and module.after_load is None and hasattr(module.model, "blocks"):
+            n = load_quantized(module.model, module.index, dtype, weights, paths)  # a block at a time
+        else:  # read whole: an after-load step (a LoRA) merges into the float weights before they are rounded
+            module.to("cpu", dtype)
+            _after_load(module)
+            n = quantize_linears(module.model, weights, paths)
         log.info("weights: %s: %d Linears quantized to %s", name, n, weights)
         done.append(name)
     return tuple(done)

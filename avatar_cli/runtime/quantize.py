@@ -36,6 +36,20 @@ def check_weights(weights: str) -> None:
         raise ValueError(f"runtime.weights must be one of {', '.join(WEIGHT_FORMATS)}, not {weights!r}")
 
 
+def check_setting(weights: str, family: str, quantized: tuple) -> None:
+    """`runtime.weights` for a job, before any model loads: ValueError naming what is missing (torchao, or a family
+    that names nothing to quantize; its ParallelPlan.quantized)."""
+    check_weights(weights)
+    if weights == "bf16":
+        return
+    if not quantized:
+        raise ValueError(f"runtime.weights: {weights}: the {family} family has no weights to quantize; use bf16")
+    try:
+        import torchao  # noqa: F401
+    except ImportError:
+        raise ValueError(f"runtime.weights: {weights} needs torchao: pip install 'avatar-cli[quant]'") from None
+
+
 def _config(weights: str):
     """torchao's config for a format (torchao is imported only where a model is quantized or counted)."""
     from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig, PerRow
@@ -81,17 +95,43 @@ def quantize_linears(model: nn.Module, weights: str, under: Iterable[str]) -> in
     any LoRA already merged. Returns the number of Linears quantized."""
     check_weights(weights)
     layers = linears_under(model, under)
-    if weights == "bf16" or not layers:
-        return 0
-    from torchao.quantization import quantize_
-
-    chosen = {id(m) for m in layers.values()}
     done = [m for m in layers.values() if is_quantized(m.weight)]
     if done:
         raise ValueError(f"quantize_linears: {len(done)} Linear(s) already quantized")
+    return _quantize_chosen(model, weights, {id(m) for m in layers.values()})
+
+
+def load_quantized(model: nn.Module, index, dtype: torch.dtype, weights: str, under: Iterable[str]) -> int:
+    """Read a model waiting on the meta device (modules.module.lazy_module) from its files into host memory, quantizing
+    as it goes: each of `model.blocks` is read in `dtype` and its chosen Linears quantized before the next block is
+    read, then the rest of the model. The host then holds at most the quantized model plus one block in `dtype` (and
+    what lies outside the blocks), not the whole model in `dtype` (32.6 GB for the 14B DiT in bf16). index: the
+    modules.loading.TensorIndex of its files. Returns the number of Linears quantized."""
+    from avatar_cli.modules.loading import TensorIndex, materialize
+
+    check_weights(weights)
+    chosen = {id(m) for m in linears_under(model, under).values()}
+    names = {id(m): n for n, m in model.named_modules()}
+    n = 0
+    for block in model.blocks:
+        prefix = names[id(block)] + "."
+        own = TensorIndex({k[len(prefix):]: v for k, v in index.tensors.items() if k.startswith(prefix)}, index.source)
+        materialize(block, own, "cpu", dtype)
+        n += _quantize_chosen(block, weights, chosen)
+    materialize(model, index, "cpu", dtype)  # the rest: the blocks' tensors are no longer on meta
+    return n + _quantize_chosen(model, weights, chosen)
+
+
+def _quantize_chosen(model: nn.Module, weights: str, chosen: set[int]) -> int:
+    """Quantize the Linears in `model` whose id is in `chosen` and that are not quantized yet."""
+    todo = {id(m) for m in model.modules() if id(m) in chosen and not is_quantized(m.weight)}
+    if weights == "bf16" or not todo:
+        return 0
+    from torchao.quantization import quantize_
+
     with torch.no_grad():
-        quantize_(model, _config(weights), filter_fn=lambda m, fqn: id(m) in chosen)
-    return len(layers)
+        quantize_(model, _config(weights), filter_fn=lambda m, fqn: id(m) in todo)
+    return len(todo)
 
 
 def _inner(t: torch.Tensor) -> list[torch.Tensor]:
