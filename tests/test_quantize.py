@@ -85,8 +85,11 @@ def test_quantized_linear_dequantizes_per_forward(weights, bound):
     y = m(x)
     err = ((y - ref).norm() / ref.norm()).item()
     assert 0 < err < bound, err
-    with pytest.raises(ValueError, match="already quantized"):
-        quantize_linears(m, weights, ("",))
+    assert quantize_linears(m, weights, ("",)) == 0  # already in that format: kept
+    other = "fp8" if weights == "int8" else "int8"
+    with pytest.raises(ValueError, match=f"runtime.weights: {other}, but 2 Linear.s. hold weights already quantized "
+                                         f"to {weights} .0, ...."):
+        quantize_linears(m, other, ("",))
 
 
 def test_fp8_weight_installs_stored_fp8():
@@ -103,3 +106,6 @@ def test_fp8_weight_installs_stored_fp8():
         assert layer.weight.qdata.data_ptr() == q.data_ptr()  # kept, not copied
     with pytest.raises(ValueError, match="3 scales"):
         fp8_weight(q, torch.ones(3), torch.float32)
+    # runtime.weights: fp8 keeps an installed FP8 weight as it is (nothing re-quantized)
+    seq = nn.Sequential(layer, nn.Linear(8, 4))
+    assert quantize_linears(seq, "fp8", ("",)) == 1 and seq[0].weight.qdata.data_ptr() == q.data_ptr()

@@ -89,15 +89,24 @@ def is_quantized(t: torch.Tensor) -> bool:
     return is_traceable_wrapper_subclass(t) and hasattr(t, "qdata")
 
 
+def format_of(t: torch.Tensor) -> str:
+    """The runtime.weights format a weight is held in: fp8, int8, or bf16 (not quantized: the runtime dtype)."""
+    if not is_quantized(t):
+        return "bf16"
+    return "fp8" if t.qdata.dtype == torch.float8_e4m3fn else "int8"
+
+
 def quantize_linears(model: nn.Module, weights: str, under: Iterable[str]) -> int:
     """Quantize, in place, every nn.Linear under the paths `under` to `weights` (fp8 | int8); bf16 leaves the model
     as it is. The weights must be loaded (or on meta, for counting), in the dtype the activations will have, and
-    any LoRA already merged. Returns the number of Linears quantized."""
+    any LoRA already merged. A weight already in that format (e.g. installed from an FP8 checkpoint with
+    `fp8_weight`) is kept as it is; one in another format is a ValueError. Returns the number of Linears quantized."""
     check_weights(weights)
     layers = linears_under(model, under)
-    done = [m for m in layers.values() if is_quantized(m.weight)]
-    if done:
-        raise ValueError(f"quantize_linears: {len(done)} Linear(s) already quantized")
+    other = [n for n, m in layers.items() if is_quantized(m.weight) and format_of(m.weight) != weights]
+    if other:
+        raise ValueError(f"runtime.weights: {weights}, but {len(other)} Linear(s) hold weights already quantized to "
+                         f"{format_of(layers[other[0]].weight)} ({other[0]}, ...)")
     return _quantize_chosen(model, weights, {id(m) for m in layers.values()})
 
 
