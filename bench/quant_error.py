@@ -2,6 +2,8 @@
 
 - the DiT forward on the golden tiny weights against the official WanModel_S2V's outputs (tests/golden/wan_s2v,
   cases a, b, c), with float32 and with bfloat16 activations (bf16 weights alone, for scale);
+- the end-to-end golden (tests/test_wan_e2e_golden.py: two clips of the official WanS2V.generate on a tiny model):
+  avatar's render with quantized weights against the official latents and frames;
 - whole renders of the tiny random model (2 s, 4 steps, 64x64, lossless video) in the clip and the streaming mode,
   against the same render with unquantized float32 weights: mean and max |diff| of the frames in 8-bit levels.
 And the bytes of the DiT at full size (the 14B release's sizes, counted on the meta device).
@@ -98,6 +100,57 @@ def render_errors() -> None:
                 print(f"| {mode} | {weights} | {d.mean():.3f} | {d.max():.0f} |")
 
 
+def official_errors(folder: Path, formats: tuple[str, ...]) -> dict[str, dict[str, float]]:
+    """The end-to-end golden's job rendered in this process with each runtime.weights format (the official audio
+    windows put back, as tests/test_wan_e2e_golden.py does) -> per format: relative L2 of clip 0's and clip 1's
+    latents against the official ones, and mean and max |diff| of clip 0's frames (in [-1, 1])."""
+    import json
+
+    import pytest
+    from safetensors import safe_open
+
+    from avatar_cli.families.wan_s2v.family import LEAD, WanS2VFamily
+    from tests.conftest import avatar
+    from tests.test_wan_e2e_golden import E2E, write_job, write_model_dir
+
+    meta = json.loads((E2E / "official.json").read_text())
+    with safe_open(str(E2E / "official.safetensors"), "pt") as f:
+        official = {k: f.get_tensor(k) for k in f.keys()}
+    model = folder / "Wan2.2-S2V-e2e"
+    write_model_dir(model, meta["files"])
+    write_job(folder / "e2e.yaml", model, meta["job"])
+    clip_audio, decode = WanS2VFamily.clip_audio, WanS2VFamily.decode
+    index = official["frame_index"]
+    clip0 = index < 77
+    out = {}
+    for weights in formats:
+        seen: dict[str, list] = {"z": [], "frames": []}
+
+        def tapped(self, models, final, state, put):
+            seen["z"].append(final.z.clone())  # (n, 16, h, w)
+
+            def tap(x):  # (t, 3, H, W)
+                seen["frames"].append(x.float().clone())
+                put(x)
+
+            return decode(self, models, final, state, tap)
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(WanS2VFamily, "clip_audio", lambda self, models, audio, start, length, fps: clip_audio(
+                self, models, audio, start + LEAD, length, fps))
+            mp.setattr(WanS2VFamily, "decode", tapped)
+            r = avatar("render", str(folder / "e2e.yaml"), "--json", "--force", f"runtime.weights={weights}")
+            if r.returncode != 0:
+                raise RuntimeError(r.stderr[-2000:])
+        z = torch.cat(seen["z"]).transpose(0, 1)  # (16, 41, h, w): [ref, clip 0, clip 1]
+        frames = torch.cat(seen["frames"]).clamp(-1, 1).transpose(0, 1)  # (3, 157, 64, 64)
+        d = (frames[:, index[clip0]] - official["frames"][:, clip0]).abs()
+        out[weights] = {"latents_0": rel_l2(z[:, 1:21], official["latents_0"]),
+                        "latents_1": rel_l2(z[:, 21:], official["latents_1"]),
+                        "frames_0_mean": float(d.mean()), "frames_0_max": float(d.max())}
+    return out
+
+
 def full_size_bytes() -> None:
     meta = build_meta(WanS2VDiT, WanDiTParams.full())
     print("\n| DiT weights at full size | GB |\n|---|---|")
@@ -108,5 +161,11 @@ def full_size_bytes() -> None:
 if __name__ == "__main__":
     torch.set_num_threads(1)
     dit_errors()
+    with tempfile.TemporaryDirectory() as tmp:
+        print("\n| weights | latents rel. L2, clip 0 / clip 1 | clip 0 frames mean / max \\|diff\\| (in [-1, 1]) |"
+              "\n|---|---|---|")
+        for weights, e in official_errors(Path(tmp), ("bf16", "int8", "fp8")).items():
+            print(f"| {weights} | {e['latents_0']:.2e} / {e['latents_1']:.2e} | {e['frames_0_mean']:.2e} / "
+                  f"{e['frames_0_max']:.2e} |")
     render_errors()
     full_size_bytes()

@@ -50,12 +50,15 @@ def test_wan_section_runs_on_the_cpu_at_tiny_size_and_reports_every_figure():
     assert summary["wan dit forward: tokens"] == fwd["tokens"] and "DiT forward" in summary["wan summary"]
 
 
-def test_weights_section_runs_on_the_cpu_at_tiny_size():
-    """bench/gpu_check.py --sections weights: each format's forward, its memory and its error against bf16."""
-    run = subprocess.run([sys.executable, str(BENCH / "gpu_check.py"), "--smoke", "--sections", "weights"],
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
-    found = {m["measure"]: m for m in (json.loads(x) for x in run.stdout.splitlines() if x.startswith('{"measure"'))}
+def test_weights_section_runs_on_the_cpu_at_tiny_size(monkeypatch, capsys):
+    """bench/gpu_check.py's weights section (in this process, as --smoke runs it): each format's forward, its memory
+    and its error against bf16."""
+    monkeypatch.setattr(gpu_check, "DEV", torch.device("cpu"))
+    monkeypatch.setattr(gpu_check, "SMOKE", True)
+    monkeypatch.setattr(gpu_check, "RESULTS", {})
+    gpu_check.weights()
+    out = capsys.readouterr().out
+    found = {m["measure"]: m for m in (json.loads(x) for x in out.splitlines() if x.startswith('{"measure"'))}
     assert set(found) == {"wan weights bf16", "wan weights int8", "wan weights fp8"}
     bf16, int8, fp8 = (found[f"wan weights {f}"] for f in ("bf16", "int8", "fp8"))
     assert bf16["rel_l2_vs_bf16"] == 0 and bf16["speed_vs_bf16"] == 1.0
@@ -63,7 +66,7 @@ def test_weights_section_runs_on_the_cpu_at_tiny_size():
     assert 0 < int8["rel_l2_vs_bf16"] < fp8["rel_l2_vs_bf16"] < 0.05
     assert int8["counted_bytes"] < bf16["counted_bytes"] and fp8["counted_bytes"] < bf16["counted_bytes"]
     assert all(m["output_finite"] and m["ms_median"] > 0 for m in found.values())
-    assert "weights summary: bf16" in run.stdout
+    assert "weights summary: bf16" in out
 
 
 def test_an_unknown_section_is_refused_by_name(monkeypatch, capsys):

@@ -67,6 +67,17 @@ def write_model_dir(d: Path, files: dict) -> None:
         torch.save(state, d / name)
 
 
+def write_job(path: Path, model: Path, job: dict) -> None:
+    """The golden's job (official.json's `job`) for avatar, its inputs beside it, float32 and an inline decode."""
+    for name in ("reference.png", "speech.wav"):
+        shutil.copyfile(E2E / name, path.parent / name)
+    path.write_text(json.dumps({
+        "reference": "reference.png", "audio": "speech.wav", "output": "out/video.mp4", "model": str(model),
+        "prompt": job["prompt"], "seed": job["seed"], "video": {"width": 64, "height": 64},
+        "sampling": {"steps": job["steps"], "guidance": job["guidance"], "shift": job["shift"]},
+        "chunking": {"frames": job["infer_frames"]}, "runtime": {"dtype": "float32", "decode": "inline"}}))
+
+
 def tensor_digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
@@ -130,13 +141,7 @@ def test_render_matches_the_official_generate(tmp_path: Path, golden, monkeypatc
 
     monkeypatch.setattr(WanS2VFamily, "reference", tapped_reference)
     monkeypatch.setattr(WanS2VFamily, "decode", tapped)
-    for name in ("reference.png", "speech.wav"):
-        shutil.copyfile(E2E / name, tmp_path / name)
-    (tmp_path / "job.yaml").write_text(json.dumps({
-        "reference": "reference.png", "audio": "speech.wav", "output": "out/video.mp4", "model": str(model),
-        "prompt": job["prompt"], "seed": job["seed"], "video": {"width": 64, "height": 64},
-        "sampling": {"steps": job["steps"], "guidance": job["guidance"], "shift": job["shift"]},
-        "chunking": {"frames": job["infer_frames"]}, "runtime": {"dtype": "float32", "decode": "inline"}}))
+    write_job(tmp_path / "job.yaml", model, job)
     result = avatar("render", str(tmp_path / "job.yaml"), "--json")
     assert result.returncode == 0, result.stderr[-3000:]
     done = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")][-1]
