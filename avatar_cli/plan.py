@@ -307,6 +307,46 @@ def _speed(b: Budget, m: Machine, util: float, p_split: str, decode: str, ranks:
                    "(the next clip waits on them)"}
 
 
+def job_budget(job: Job, source, size: tuple[int, int], dtype: torch.dtype) -> Budget:
+    """The family's budget for this job's settings: its mode, frame size, steps and guidance, `runtime.weights`, and
+    the VAE's dtype as placement gives it (`runtime.vae_dtype`)."""
+    rt, sp, family = job.spec.runtime, job.spec.sampling, source.family
+    pp = family.parallel.with_dtype("vae", rt.vae_dtype.value)
+    vae_dtype = torch.float32 if "vae" in pp.float32 else torch.bfloat16 if "vae" in pp.bfloat16 else dtype
+    return source.spec.budget(source.config, source.mode, size, dtype, sp.steps, sp.guidance, rt.weights.value,
+                              vae_dtype)
+
+
+def working_set(b: Budget, family, split: Split, world: int, rank: int, decode: str) -> tuple[int, int, int]:
+    """(state, activations, decode worker) bytes one rank's GPU holds beside its weights: what the layout choice
+    keeps free (`working_bytes`), for `avatar plan` and for a render alike (runner.py).
+
+    The timestep pipeline: a step rank its step's ring and the sink, and one forward's activations; the decode
+    rank the decoder cache and the decode's peak. Otherwise: the DiT's rolling state divided by heads over the
+    ranks, a forward's activations divided by tokens, and the decode's cache and peak where the decode runs in the
+    render process (inline); a decode worker (rank 0's GPU, its own process) holds the decode's models, cache and
+    peak beside."""
+    if split == Split.steps:
+        return (b.step_state, b.a2v_peak, 0) if rank else (b.decode_state, b.decode_peak, 0)
+    inline = decode == "inline"
+    state = b.state // world + (b.decode_state if inline else 0)
+    work = max(b.a2v_peak // world, b.decode_peak if inline else 0)
+    worker = 0
+    if decode == "worker" and rank == 0:
+        worker = sum(b.models[n].total for n in family.needs[Step.decode]) + b.decode_state + b.decode_peak
+    return state, work, worker
+
+
+def render_working_bytes(p, runtime: Runtime, rank: int) -> int | None:
+    """The working set a render of the resolved job `p` keeps free on this rank's GPU, counted on meta as `avatar
+    plan` counts it; None where the family has no budget (the placement then keeps its default reserve)."""
+    source = p.model
+    if source.spec.budget is None:
+        return None
+    b = job_budget(p.job, source, p.gen_size, runtime.dtype)
+    return sum(working_set(b, source.family, p.parallel, p.world_size, rank, p.decode.value))
+
+
 def make_plan(job: Job, m: Machine, util: float = 0.4) -> Plan:
     """The plan for `job` on `m` (the job loaded as for a render; `model=wan-s2v-14b` names the release's size)."""
     if not 0 < util <= 1:
@@ -325,33 +365,22 @@ def make_plan(job: Job, m: Machine, util: float = 0.4) -> Plan:
     size = _frame_size(job, family)
     sp = job.spec.sampling
     weights = rt.weights.value
-    pp = family.parallel.with_dtype("vae", rt.vae_dtype.value)  # the VAE's dtype as placement gives it
-    vae_dtype = torch.float32 if "vae" in pp.float32 else torch.bfloat16 if "vae" in pp.bfloat16 else dtype
-    b: Budget = spec.budget(source.config, source.mode, size, dtype, sp.steps, sp.guidance, weights, vae_dtype)
+    b = job_budget(job, source, size, dtype)
     text, text_why = _text_choice(job)
     text_names = set(family.needs[Step.prompt])
     loaded = {n: b.models[n] for n in family.components if text == "load" or n not in text_names}
     decode, decode_why = resolve_decode(job, family, runtime, split)
     free = m.usable
-    decoder = set(family.needs[Step.decode])
-    dec_state = b.decode_state  # whole, on the GPU that decodes
-    worker = 0
-    if decode == "worker":  # its own process on rank 0's GPU: the decode's models, its cache and its peak
-        worker = sum(b.models[n].total for n in decoder) + dec_state + b.decode_peak
     ranks, layouts = [], []
     if split == Split.steps:
         for role, rank, count in (("a step rank", 1, m.gpus - 1), ("the decode rank", 0, 1)):
             keep = {n: s for n, s in loaded.items() if n not in rank_skips(family, rank)}
-            state, work = ((b.step_state, b.a2v_peak) if rank else (dec_state, b.decode_peak))
-            r, lay = _rank(role, count, keep, job, family, 1, free, state, work)
+            r, lay = _rank(role, count, keep, job, family, 1, free, *working_set(b, family, split, m.gpus, rank, decode))
             ranks.append(r)
             layouts.append(lay)
-    else:
-        world = m.gpus
-        state = b.state // world + (b.decode_state if decode == "inline" else 0)  # rings and sink split by heads
-        work = max(b.a2v_peak // world, b.decode_peak if decode == "inline" else 0)
-        r, lay = _rank("every rank" if world > 1 else "the GPU", world, loaded, job, family, world, free, state, work,
-                       worker)
+    else:  # rank 0 is the fullest (a decode worker shares its GPU): every rank is planned as it
+        r, lay = _rank("every rank" if m.gpus > 1 else "the GPU", m.gpus, loaded, job, family, m.gpus, free,
+                       *working_set(b, family, split, m.gpus, 0, decode))
         ranks.append(r)
         layouts.append(lay)
     tier, tier_why = _host_tier(job, m, ranks, loaded, source, layouts)

@@ -6,6 +6,7 @@ written at the output path.
 """
 
 import errno
+import logging
 import hashlib
 import json
 import os
@@ -29,6 +30,7 @@ from avatar_cli.pipeline.fingerprint import describe_change, job_fingerprint
 from avatar_cli.pipeline.events import ChunkDone, ResumeFrom, Stretch
 from avatar_cli.pipeline.run import Pipeline
 from avatar_cli.pipeline.steps import rank_skips
+from avatar_cli.plan import render_working_bytes
 from avatar_cli.prompts import cache as prompt_cache
 from avatar_cli.report import Reporter, peak_rss_mb
 from avatar_cli.runtime.device import Runtime, cpu_info, dtype_name, resolve_runtime, set_cpu_threads
@@ -39,6 +41,8 @@ from avatar_cli.runtime.placement import Placement, place, plan_for
 from avatar_cli.stages.decode_worker import DecodeWorker
 from avatar_cli.spec import Decode
 from avatar_cli.stages.publish import Publisher
+
+log = logging.getLogger(__name__)
 
 __all__ = ["ModelCache", "RenderSummary", "ResolvedJob", "Resume", "check_output", "prepare", "render", "setup_runtime"]
 
@@ -132,9 +136,10 @@ class ModelCache:
     free_bytes: int | None = None
 
     def get(self, source: ModelSource, runtime: Runtime, dist: Dist, rt_spec, reporter: Reporter,
-            skip: Collection[str] = ()) -> tuple[dict[str, Module], Placement]:
+            skip: Collection[str] = (), working_bytes: int | None = None) -> tuple[dict[str, Module], Placement]:
         """skip: components this job does not need loaded (its prompt is in the text cache). A set that lacks
-        what a later job needs gets just those loaded and placed beside it."""
+        what a later job needs gets just those loaded and placed beside it. working_bytes: device memory the
+        layout keeps free for state and activations (None: placement's default reserve)."""
         key = (source.fingerprint, str(runtime.device), str(runtime.dtype), rt_spec.offload.value,
                rt_spec.reshard.value, rt_spec.shard.value, rt_spec.weights.value, rt_spec.vae_dtype.value,
                rt_spec.offload_host.value)
@@ -153,7 +158,8 @@ class ModelCache:
                           free_bytes=self.free_bytes,
                           plan=plan_for(source.family.parallel.with_dtype("vae", rt_spec.vae_dtype.value), more),
                           shard=rt_spec.shard.value, weights=rt_spec.weights.value,
-                          offload_host=rt_spec.offload_host.value)
+                          offload_host=rt_spec.offload_host.value,
+                          **({} if working_bytes is None else {"working_bytes": working_bytes}))
             if modules:  # beside a placed set: the stages look each component up by name in either
                 placement.offloaders.update(added.offloaders)
                 placement.sharded.update(added.sharded)
@@ -162,6 +168,20 @@ class ModelCache:
             modules.update(more)
             self.loaded[key] = (modules, placement)
         return modules, placement
+
+
+def _working_bytes(p: ResolvedJob, runtime: Runtime, dist: Dist, models: ModelCache) -> int | None:
+    """Where placement chooses from free device memory (a GPU, or the CPU standing in for one), the state and
+    activations it keeps free: counted on the meta device for this job, as `avatar plan` counts them (plan.py), so
+    a render and its plan choose the same layout. None: the family has no budget (placement's default reserve)."""
+    rt = p.job.spec.runtime
+    if not (runtime.is_cuda or models.transfer is not None) or "auto" not in (rt.offload.value, rt.shard.value):
+        return None
+    working = render_working_bytes(p, runtime, dist.rank)
+    if working is not None:
+        log.info("placement: %.1f GB kept free for state and activations (counted on the meta device)",
+                 working / 1e9)
+    return working
 
 
 def setup_runtime(spec, runtime: Runtime | None = None) -> tuple[Runtime, Dist]:
@@ -312,9 +332,10 @@ def _render_locked(p: ResolvedJob, reporter: Reporter, models: ModelCache | None
     # The timestep pipeline: each rank loads what its role runs and places it alone (nothing is sharded).
     steps = p.parallel == Split.steps
     absent = rank_skips(p.model.family, dist.rank) if steps else set()
-    modules, placement = (models or ModelCache()).get(p.model, runtime, Dist() if steps else dist, spec.runtime,
-                                                      reporter, skip={*prompt_cache.skipped(prompts, spec.prompt),
-                                                                      *absent})
+    models = models or ModelCache()
+    modules, placement = models.get(p.model, runtime, Dist() if steps else dist, spec.runtime, reporter,
+                                    skip={*prompt_cache.skipped(prompts, spec.prompt), *absent},
+                                    working_bytes=_working_bytes(p, runtime, dist, models))
     pipeline = Pipeline(modules, p.model.family, runtime, placement, prompts=prompts,
                         steps_dist=dist if steps else None, absent=absent)
     image = p.model.family.fit_reference(p.image, *p.gen_size)  # (3, H, W) in [-1, 1]

@@ -393,7 +393,7 @@ def test_wan_render_streaming_blocks_from_the_mapped_checkpoint_equals_the_resid
 
     plain, _ = render("plain")
     t = HostTransfer()
-    with caplog.at_level(logging.INFO, logger="avatar_cli.runtime"):
+    with caplog.at_level(logging.INFO, logger="avatar_cli"):
         mapped, cache = render("mapped", "runtime.offload=block", "runtime.offload_host=mmap", transfer=t, free=1)
     assert mapped["frames_digest"] == plain["frames_digest"]
     (_, placement), = cache.loaded.values()
@@ -401,4 +401,6 @@ def test_wan_render_streaming_blocks_from_the_mapped_checkpoint_equals_the_resid
     assert dit.mapped is not None and dit.host_bytes == dit.root.slab.numel() + 2 * dit.block_bytes
     assert placement.offloaders["text"].mapped is None  # umT5 comes from a .pth: its blocks wait pinned
     assert "offload host: mmap (set by runtime.offload_host)" in caplog.text
+    # the layout kept free what `avatar plan` counts on meta for this job (runtime.shard: auto reads it)
+    assert "kept free for state and activations (counted on the meta device)" in caplog.text
     assert t.live_bytes == 0 and "dit: block 1" in t.loads

@@ -113,3 +113,27 @@ def test_plan_command_json_and_bad_machines(job: Path, capsys):
 def test_a_render_refuses_a_size_named_without_weights(job: Path):
     with pytest.raises(InputError, match="needs the model directory"):
         resolve(load_job(job, CLIP))
+
+
+def test_a_render_keeps_free_the_working_set_the_plan_counts(job: Path):
+    """The render's placement and the plan's are fed the same working set (plan.working_set over the family's
+    budget): here for the release's size resolved as a render resolves a job, on 8 ranks."""
+    import torch
+
+    from avatar_cli.job import Split, resolve_parallel
+    from avatar_cli.plan import job_budget, render_working_bytes, working_set
+    from avatar_cli.runtime.device import Runtime
+
+    j = load_job(job, CLIP)
+    p8 = plan(job, "8x80GB", None)
+    r = p8.ranks[0]
+    split, _ = resolve_parallel(j, j.source, 8)
+
+    class Resolved:  # what runner.render hands render_working_bytes: a ResolvedJob's fields
+        model, gen_size, world_size, parallel = j.source, (832, 448), 8, split
+        decode = type("D", (), {"value": p8.decode})
+    Resolved.job = j
+    rt = Runtime(torch.device("cuda"), torch.bfloat16)
+    assert render_working_bytes(Resolved, rt, 0) == r.state_bytes + r.work_bytes + r.worker_bytes
+    b = job_budget(j, j.source, (832, 448), torch.bfloat16)
+    assert working_set(b, j.source.family, Split.sequence, 8, 0, "inline")[1] == max(b.a2v_peak // 8, b.decode_peak)

@@ -113,7 +113,7 @@ def _clip_forward(p: WanDiTParams, dtype: torch.dtype, lat_h: int, lat_w: int) -
     frames = CLIP_FRAMES // 4
     with torch.device("meta"):
         inputs = {"x": torch.empty(p.in_dim, frames, lat_h, lat_w), "t": 900.0,
-                  "context": torch.empty(TEXT_TOKENS, p.text_dim, dtype=torch.bfloat16),
+                  "context": torch.empty(min(TEXT_TOKENS, p.text_len), p.text_dim, dtype=torch.bfloat16),
                   "ref": torch.empty(p.in_dim, 1, lat_h, lat_w),
                   "motion": torch.empty(p.in_dim, p.lat_motion_frames, lat_h, lat_w),
                   "cond": torch.empty(p.cond_dim, frames, lat_h, lat_w),
