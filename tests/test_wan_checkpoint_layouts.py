@@ -387,3 +387,7 @@ def test_jobs_with_a_dit_file_render(official, tmp_path):
     for dit in (q8, fp8):  # quantized already: not quantized a second time
         result = render("twice", no_shards, f"dit: {dit}\nruntime: {{weights: int8}}\n")
         assert result.returncode == 2 and "already" in result.stderr, result.stderr[-500:]
+    for model, dit, why in ((no_shards, tmp_path / "gone.gguf", "no such file"),
+                            ("mini", comfy, "reads its DiT from its model directory only")):
+        result = render("refused", model, f"dit: {dit}\n")
+        assert result.returncode == 2 and why in result.stderr and "Traceback" not in result.stderr, result.stderr
