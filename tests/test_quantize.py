@@ -10,7 +10,7 @@ from avatar_cli.families.wan_s2v.family import QUANTIZED
 from avatar_cli.families.wan_s2v.text import UMT5_XXL
 from avatar_cli.modules.module import build_meta
 from avatar_cli.runtime.quantize import (component_bytes, fp8_weight, linears_under, quantize_linears,
-                                         quantized_bytes)
+                                         quantized_bytes, tensor_bytes)
 
 DIT_PATHS = dict(QUANTIZED)["dit"]
 T5_PATHS = ("blocks",)  # umT5's layers, were it quantized (the family keeps it whole: its encodings are cached)
@@ -109,3 +109,16 @@ def test_fp8_weight_installs_stored_fp8():
     # runtime.weights: fp8 keeps an installed FP8 weight as it is (nothing re-quantized)
     seq = nn.Sequential(layer, nn.Linear(8, 4))
     assert quantize_linears(seq, "fp8", ("",)) == 1 and seq[0].weight.qdata.data_ptr() == q.data_ptr()
+
+
+def test_host_peak_of_the_block_at_a_time_read_at_full_size(full_dit):
+    """placement reads a quantized DiT a block at a time (quantize.load_quantized): the host holds at most the
+    quantized blocks plus, read last, everything outside them in bf16 (docs/speed.md quotes it)."""
+    q = tensor_bytes(full_dit, "int8", DIT_PATHS, torch.bfloat16)
+    b = tensor_bytes(full_dit, "bf16", DIT_PATHS, torch.bfloat16)
+    blocks = sum(v for k, v in q.items() if k.startswith("blocks."))
+    rest = sum(v for k, v in b.items() if not k.startswith("blocks."))
+    one_block = max(sum(v for k, v in b.items() if k.startswith(f"blocks.{i}.")) for i in range(40))
+    assert blocks + one_block < blocks + rest  # the last read, not a block's, sets the peak
+    assert (blocks + rest) / 1e9 == pytest.approx(18.55, abs=0.01)
+    assert (blocks + rest) / sum(b.values()) < 0.57  # against 32.6 GB read whole
