@@ -46,3 +46,29 @@ def test_resume_copies_at_full_size_move_a_gib_a_block_and_one_snapshot_at_most(
     assert rings * len(copied) / len(blocks) <= ckpt.POINT_BYTES_PER_BLOCK  # bytes moved per block, on average
     assert max(sum(due(b) for b in range(g, g + DEPTH)) for g in blocks) == 1  # snapshots in flight
     assert all(ckpt.resume_schedule(0)(b) for b in range(10))  # a small state: every block, as before
+
+
+def test_an_fp32_island_at_full_size_holds_32_mb_of_weight_not_a_629_mb_copy():
+    """The time projection (5120 -> 6 x 5120, bf16) on meta: what linear_f32 allocates beyond its inputs."""
+    from avatar_cli.families.wan_s2v.dit import WanDiTParams
+    from avatar_cli.runtime.meta_count import peak_bytes
+
+    d = WanDiTParams.full().dim
+    proj = nn.Linear(d, 6 * d, device="meta", dtype=torch.bfloat16)
+    t = torch.empty(2, d, device="meta")  # (2, D) the two timesteps' embeddings
+    whole = 6 * d * d * 4
+    assert whole == 629_145_600  # what upcasting the whole weight allocated on every forward
+    out = 2 * 6 * d * 4  # (2, 6D) fp32, the blocks' outputs and their concatenation
+    peak = peak_bytes(lambda: layers.linear_f32(proj, t))
+    assert peak <= layers.F32_BLOCK_BYTES + 3 * out, peak
+
+
+def test_a_bfloat16_vae_decode_at_480p_peaks_at_half_the_float32_one():
+    """One latent's decode continuing a timeline at 480p (latent 60 x 104), counted on meta."""
+    from avatar_cli.families.wan_s2v.budget import _vae_decode
+    from avatar_cli.families.wan_s2v.vae import WanVAEParams
+
+    vp = WanVAEParams.full()
+    f32, _, cache32 = _vae_decode(vp, 60, 104, 2, torch.float32)
+    bf16, _, cache16 = _vae_decode(vp, 60, 104, 2, torch.bfloat16)
+    assert bf16 <= 0.52 * f32 and cache16 <= 0.52 * cache32, (bf16, f32, cache16, cache32)

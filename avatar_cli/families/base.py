@@ -332,3 +332,6 @@ class StepPipeline(Protocol):
 
     def put_sink_frame(self, state: RollingState, frame: torch.Tensor) -> None:
         """Keep a received sink frame in the step rank's state."""
+
+    def drop_rings(self, state: RollingState) -> None:
+        """The decode rank's copies of the step ranks' rings, once their resume point is written."""

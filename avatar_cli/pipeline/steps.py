@@ -259,8 +259,8 @@ def _decode_rank(stages: StepStages, placement: Placement, dist_: Dist, spec, ch
         z = recv(dist_.world_size - 1, device, group)  # (F, 16, h, w) the block's final latents
         family.keep(chunk, z, state, spec.chunking)
         resumable = copies(chunk.index)
-        if resumable:
-            per_step = [{name: recv(1 + s, device, group) for name in family.step_tensor_names(s, chunk.index)}
+        if resumable:  # into host memory one tensor at a time: they are for the checkpoint, not for this device
+            per_step = [{name: recv(1 + s, device, group).cpu() for name in family.step_tensor_names(s, chunk.index)}
                         for s in range(steps)]
             family.merge_step_tensors(state, per_step, chunk.index)
         final = state.take_final(chunk.publish_to)
@@ -271,6 +271,8 @@ def _decode_rank(stages: StepStages, placement: Placement, dist_: Dist, spec, ch
                 stretches = out.publish(final, i + 1, state)
             for stretch in stretches:
                 on_stretch(stretch if resumable else replace(stretch, resumable=False))
+        if resumable:
+            family.drop_rings(state)  # the resume point has them; the next one gets fresh copies
         on_chunk(ChunkDone(chunk, time.perf_counter() - t0, state.published))
     for stretch in out.finish():
         on_stretch(stretch)

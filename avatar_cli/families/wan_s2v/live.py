@@ -298,6 +298,11 @@ class LiveAvatarFamily(WanS2VFamily):
         state.tensors[SINK_FRAME] = frame
 
     @staticmethod
+    def drop_rings(state: RollingState) -> None:
+        for n in ("k", "v"):
+            state.tensors.pop(CACHE_PREFIX + n, None)
+
+    @staticmethod
     def _caches(state: RollingState, dit, steps: int, lat_h: int, lat_w: int, dtype: torch.dtype,
                 device: torch.device, sp: SequenceParallelStream | None = None) -> CausalCaches:
         """The caches of the state (empty rings at block 0, or after a resume the saved ones). sp: this rank's heads
