@@ -279,6 +279,16 @@ def test_gguf_dit_stays_quantized_and_matches(official, tmp_path, qtype):
         if t.tensor_type == qtype:
             ref = gguf.quants.dequantize(t.data, qtype).reshape(state[t.name].shape)
             assert np.array_equal(got[t.name].numpy(), ref), t.name
+    # Each quantized Linear dequantizes its weight once a forward: the cast of its input to the weight's dtype
+    # reads the parametrization's dtype, not the weight.
+    calls = []
+    real = gguf_weights.dequantize
+    try:
+        gguf_weights.dequantize = lambda *a: calls.append(a[1]) or real(*a)
+        forward(module, p)
+    finally:
+        gguf_weights.dequantize = real
+    assert len(calls) == len(packed), (len(calls), len(packed))
     official_module = lazy_module("dit", WanS2VDiT, p, TensorIndex.from_safetensors(
         folder / "diffusion_pytorch_model.safetensors.index.json"))
     err = rel_err(forward(module, p), forward(official_module, p))

@@ -203,6 +203,11 @@ class Dequantize(nn.Module):
         self.qtype, self.shape = qtype, tuple(shape)
         self.like = nn.Parameter(torch.zeros((), dtype=dtype), requires_grad=False)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """What the weight dequantizes to, known without dequantizing it."""
+        return self.like.dtype
+
     def forward(self, raw: torch.Tensor) -> torch.Tensor:
         return dequantize(raw, self.qtype, self.shape).to(self.like.dtype)  # (shape) the layer's weight
 

@@ -46,6 +46,11 @@ def sequential_f32(seq: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
 
 
 def as_weight_dtype(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+    # A weight held quantized behind a parametrization (a GGUF file's, modules/gguf_weights.py) is dequantized on
+    # every read of `layer.weight`: its parametrization names the dtype instead, so the matmul's read is the only one.
+    plist = getattr(layer, "parametrizations", None)
+    if plist is not None and "weight" in plist and hasattr(plist.weight[-1], "dtype"):
+        return x.to(plist.weight[-1].dtype)
     return x.to(layer.weight.dtype)
 
 
