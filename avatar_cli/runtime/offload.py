@@ -13,6 +13,12 @@
 `ModelOffloader` (policy "model") does the same with the whole model as one slab: on the device for
 its stage, dropped after.
 
+Where the blocks wait (`runtime.offload_host`, chosen by `host_tier_choice`): pinned host slabs as above, or, for a
+model read lazily from safetensors, the memory-mapped checkpoint itself (`MappedCheckpoint`): each block is staged
+from the page cache into one of two pinned buffers the size of the largest block, cast to the compute dtype where
+the file's differs, then copied like a slab; a staging buffer is refilled only once the copy out of it has landed
+(`Transfer.host_wait`). The host then holds the non-block parameters and the two staging buffers, not the blocks.
+
 The device sits behind `Transfer`, so tests run the same state machine with the CPU standing in for
 the GPU (`HostTransfer`: copies are plain copies, events are no-ops, allocations are counted).
 Everything is attached from outside with forward pre-hooks; the models' forward is untouched.

@@ -20,6 +20,11 @@
   cannot shard torchao's quantized tensors, so under several ranks a quantized component is replicated (at half
   its bf16 size) and `runtime.shard: shard` refuses it.
 
+The choices are `choose_layout`'s (shard or replicate, then offload), a pure function of the models' sizes, the
+rank count and the free memory: `avatar plan` (plan.py) calls it with sizes counted on the meta device for a
+machine it does not have, a render with the sizes of the models it loaded. Block offload's host tier (pinned copies
+or the memory-mapped checkpoint) is `offload.host_tier_choice`'s.
+
 The device behind offload is a `Transfer` plus the free memory it reports; tests pass a `HostTransfer`,
 so the whole placement runs on the CPU with the CPU standing in for the GPU.
 """
