@@ -314,6 +314,29 @@ def test_gguf_dit_streams_through_block_offload(official, tmp_path):
     assert packed > 0 and t.peak_bytes < sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+def test_stored_quantized_weights_are_replicated_not_sharded(official, tmp_path):
+    """FSDP2 cannot shard a GGUF or FP8 file's quantized weights: on several ranks placement counts such a DiT
+    with the quantized ones (replicated; `runtime.shard: shard` refused by name before any rank is touched)."""
+    from avatar_cli.families.base import ParallelPlan
+    from avatar_cli.runtime.device import resolve_runtime
+    from avatar_cli.runtime.distributed import Dist
+    from avatar_cli.runtime.placement import place
+
+    f = tmp_path / "q8.gguf"
+    write_dit_gguf(f, dit_state(official), T.Q8_0)
+    fp8 = tmp_path / "fp8.safetensors"
+    fp8_file(dit_state(official), fp8)
+    cfg = wan.read_config(official)
+    for module in (dit_file.load(dit_file.inspect(f), cfg.dit),
+                   wan.load_dit(wan.with_dit_file(cfg, fp8), dict(QUANTIZED)["dit"])):
+        assert module.stored_quantized
+        plan = ParallelPlan(sharded=("dit",), sp_heads=cfg.dit.num_heads)
+        with pytest.raises(InputError, match="cannot shard the quantized weights of dit"):
+            place({"dit": module}, resolve_runtime("cpu", "float32"), Dist(world_size=2), plan=plan,
+                  shard="shard")
+    assert not wan.load_dit(wan.with_dit_file(cfg, fp8)).stored_quantized  # dequantized at load (a LoRA's case)
+
+
 def test_models_check_on_files(official, tmp_path):
     comfy = tmp_path / "wan2.2_s2v_14B_bf16.safetensors"
     save_file({adapter_dit.COMFY_PREFIX + k: v for k, v in dit_state(official).items()}, str(comfy))

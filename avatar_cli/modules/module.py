@@ -35,6 +35,9 @@ class Module:
     # Run once by placement when the weights are where they run (whole, or this rank's FSDP2 shard) and before
     # any forward: e.g. a LoRA merged into them. Placement knows no family; the family's loader sets this.
     after_load: Callable[[nn.Module], None] | None = None
+    # Weights the checkpoint stores quantized and that stay so (a GGUF file's, a scaled-FP8 file's): FSDP2 cannot
+    # shard them, so placement replicates this module as it does one `runtime.weights` quantized.
+    stored_quantized: bool = False
 
     @property
     def is_lazy(self) -> bool:

@@ -206,6 +206,7 @@ def place(modules: Mapping[str, Module], runtime: Runtime, dist: Dist, offload: 
         if module.is_lazy:  # on meta this costs nothing, and the sizes the offload choice reads come out right
             module.model.to(dtype=_dtype(name, runtime, plan))
     quantized = _quantize(modules, runtime, plan, weights)
+    quantized += tuple(n for n, m in modules.items() if m.stored_quantized and n not in quantized)
     if dist.enabled:
         return _place_sharded(modules, runtime, dist, offload, reshard, working_bytes, transfer, free_bytes, plan,
                               shard, quantized, offload_host, host_free)

@@ -210,7 +210,7 @@ def _load_fp8(f: DitFile, params: WanDiTParams, keep: tuple[str, ...]) -> Module
                 scale = st.get_tensor(scale_name) if scale_name in names else torch.ones(())
                 if official in kept and t.dtype == torch.float8_e4m3fn:
                     stored[official] = (t, scale)
-                    t = torch.empty(t.shape, dtype=dtype)  # (out, in) placeholder: replaced below, never read
+                    t = torch.empty(t.shape, dtype=dtype, device="meta")  # (out, in) placeholder, replaced below
                 else:
                     t = adapter_dit.dequantize_scaled_fp8(t, scale, dtype)
             state[official] = t
@@ -219,7 +219,8 @@ def _load_fp8(f: DitFile, params: WanDiTParams, keep: tuple[str, ...]) -> Module
         layer = kept[name]
         # Reported as float32 until placement has given the float weights their dtype (_fp8_in_runtime_dtype).
         layer.weight = nn.Parameter(fp8_weight(data, scale, torch.float32), requires_grad=False)
-    return Module("dit", model, str(f.path), after_load=_fp8_in_runtime_dtype if stored else None)
+    return Module("dit", model, str(f.path), after_load=_fp8_in_runtime_dtype if stored else None,
+                  stored_quantized=bool(stored))
 
 
 def _load_gguf(f: DitFile, params: WanDiTParams) -> Module:
@@ -228,4 +229,5 @@ def _load_gguf(f: DitFile, params: WanDiTParams) -> Module:
     model = build_meta(WanS2VDiT, params)
     names = {k: f.prefix + k for k in model.state_dict()}
     fill_from_gguf(model, GGUFFile(f.path), names, torch.float32)
-    return Module("dit", model, str(f.path))
+    quantized = any(p.dtype == torch.uint8 for p in model.parameters())
+    return Module("dit", model, str(f.path), stored_quantized=quantized)
