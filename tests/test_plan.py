@@ -137,3 +137,15 @@ def test_a_render_keeps_free_the_working_set_the_plan_counts(job: Path):
     assert render_working_bytes(Resolved, rt, 0) == r.state_bytes + r.work_bytes + r.worker_bytes
     b = job_budget(j, j.source, (832, 448), torch.bfloat16)
     assert working_set(b, j.source.family, Split.sequence, 8, 0, "inline")[1] == max(b.a2v_peak // 8, b.decode_peak)
+
+
+def test_a_model_directory_plans_from_its_own_config(job: Path, tmp_path: Path):
+    """A directory (here the tiny random one `models init` writes) is counted from its config.json: its DiT's bytes,
+    not the release's; the release-size plan's bytes are the 14B's."""
+    from avatar_cli.families.registry import init_family_dir
+
+    init_family_dir(tmp_path / "wan", "tiny", seed=0, family="wan-s2v")
+    tiny = make_plan(load_job(job, [f"model={tmp_path / 'wan'}", "video.width=64", "video.height=64"]),
+                     machine("1x24GB"))
+    assert tiny.model == str(tmp_path / "wan") and tiny.ranks[0].offload == "none" and tiny.fits
+    assert tiny.ranks[0].weights_bytes < 50e6 < 30e9 < plan(job, "8x80GB", None).ranks[0].weights_bytes

@@ -220,7 +220,7 @@ def place(modules: Mapping[str, Module], runtime: Runtime, dist: Dist, offload: 
                            working_bytes, offload)
     log.info("offload: %s", layout.offload_why)
     placement = Placement(offload=layout.offload)
-    tier = _host_tier(modules, layout.offload, offload_host, host_free, 1)
+    tier = _host_tier(modules, layout.offload, offload_host, host_free, _local_ranks())
     _offload_replicated(modules, runtime, layout.offload, transfer, placement, plan, tier)
     return placement
 
@@ -293,7 +293,7 @@ def _place_sharded(modules: Mapping[str, Module], runtime: Runtime, dist: Dist, 
             materialize(module.model, module.index, home, _dtype(name, runtime, plan))
         _after_load(module)  # on this rank's rows, before the first all-gather
     replicated = {name: m for name, m in modules.items() if name not in SHARDED}
-    tier = _host_tier(replicated, choice, offload_host, host_free, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    tier = _host_tier(replicated, choice, offload_host, host_free, _local_ranks())
     _offload_replicated(replicated, runtime, choice, transfer, placement, plan, tier)
     if plan.sequence_parallel is not None:
         sp = modules[plan.sequence_parallel]
@@ -370,3 +370,9 @@ def _known(free_bytes: int | None) -> int:
     if free_bytes is None:
         raise ValueError("offload needs the device's free memory (free_bytes) along with its transfer")
     return free_bytes
+
+
+def _local_ranks() -> int:
+    """Processes on this host (torchrun's LOCAL_WORLD_SIZE; the timestep pipeline's ranks place themselves one by
+    one, but share the host): each holds its own pinned copies, where a memory-mapped checkpoint is shared."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
