@@ -157,35 +157,45 @@ def test_comfy_single_file_loads_the_official_weights(official, tmp_path, prefix
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def fp8_file(state: dict[str, torch.Tensor], path: Path) -> None:
+def fp8_file(state: dict[str, torch.Tensor], path: Path, mixed: bool = False, fmt: str = "float8_e4m3fn") -> None:
     """ComfyUI's scaled FP8 layout: every 2-D Linear weight of the blocks, injectors and embeddings as e4m3 with
     a per-tensor float32 scale_weight (amax / 448), the rest as they were, the scaled_fp8 marker; one layer also
-    carries a scale_input (its FP8 matmul's activation scale: not part of the weight)."""
-    out = {adapter_dit.COMFY_PREFIX + adapter_dit.FP8_MARKER: torch.zeros(0, dtype=torch.float8_e4m3fn)}
+    carries a scale_input (its FP8 matmul's activation scale: not part of the weight). mixed: ComfyUI's later
+    per-layer layout instead (weight_scale, input_scale, and a comfy_quant blob naming the format `fmt`)."""
+    marker = {adapter_dit.COMFY_PREFIX + adapter_dit.FP8_MARKER: torch.zeros(0, dtype=torch.float8_e4m3fn)}
+    out = {} if mixed else marker
     for k, v in state.items():
         name = adapter_dit.COMFY_PREFIX + k
+        layer = name.removesuffix(".weight")
         if v.dim() == 2 and k.endswith(".weight") and "trainable_cond_mask" not in k:
             scale = v.abs().max().float() / 448
             out[name] = (v.float() / scale).to(torch.float8_e4m3fn)
-            out[name.removesuffix(".weight") + ".scale_weight"] = scale.reshape(())
+            out[layer + (".weight_scale" if mixed else ".scale_weight")] = scale.reshape(())
+            if mixed:
+                out[layer + ".comfy_quant"] = torch.tensor(list(json.dumps({"format": fmt}).encode()),
+                                                           dtype=torch.uint8)
         else:
             out[name] = v
-    out[adapter_dit.COMFY_PREFIX + "blocks.0.ffn.0.scale_input"] = torch.tensor(0.5)
+    out[adapter_dit.COMFY_PREFIX + "blocks.0.ffn.0" + (".input_scale" if mixed else ".scale_input")] = \
+        torch.tensor(0.5)
     save_file(out, str(path))
 
 
-def test_comfy_fp8_scaled_file(official, tmp_path):
+@pytest.mark.parametrize("mixed", [False, True], ids=["scaled_fp8", "comfy_quant"])
+def test_comfy_fp8_scaled_file(official, tmp_path, mixed):
     """The blocks' and injectors' FP8 Linears kept as stored (1 byte a weight and the file's scale, dequantized
     in each forward), the other FP8 tensors dequantized at load (fp8 x scale_weight, ComfyUI's arithmetic); with
-    a LoRA to merge, everything dequantized at load. Every weight within e4m3's rounding of the official one (3 mantissa bits: half an ulp is 2^-4 of the value; values under the smallest normal,
-    2^-6 x scale, are off by at most half a subnormal step, 2^-10 x scale), the rest bit-identical.
+    a LoRA to merge, everything dequantized at load. Every weight within e4m3's rounding of the official one (3
+    mantissa bits: half an ulp is 2^-4 of the value; values under the smallest normal, 2^-6 x scale, are off by at
+    most half a subnormal step, 2^-10 x scale), the rest bit-identical.
 
-    The DiT's output against the official weights' (float32, 2 latent frames at 64x64 pixels) measured 5.2e-2
-    of its largest value (the random tiny model passes rounding on through every layer undamped); bound 1e-1:
-    about twice that, yet far below what a wrong scale (x2: ~1) or a scale left out gives."""
+    The DiT's output against the official weights' (float32, 2 latent frames at 64x64 pixels) measured 5.2e-2 of its
+    largest value (the random tiny model passes rounding on through every layer undamped); bound 1e-1: about twice
+    that, and far below what a scale left out or applied twice would give (weights off by a factor of 448).
+    """
     state = dit_state(official)
     f = tmp_path / "wan2.2_s2v_14B_fp8_scaled.safetensors"
-    fp8_file(state, f)
+    fp8_file(state, f, mixed)
     info = dit_file.inspect(f)
     assert info.format == "comfy-fp8" and info.ok and "float8_e4m3fn" in info.types
     cfg = wan.with_dit_file(wan.read_config(official), f)
@@ -207,6 +217,11 @@ def test_comfy_fp8_scaled_file(official, tmp_path):
     assert quantized >= 40
     err = rel_err(forward(module, cfg.dit), forward(wan.load_dit(wan.read_config(official)), cfg.dit))
     assert 0 < err < 1e-1, err
+    if mixed:  # a layer stored in a format not read here is named, from the header and the small blobs
+        other = tmp_path / "int8.safetensors"
+        fp8_file(state, other, mixed, fmt="int8_tensorwise")
+        with pytest.raises(InputError, match="int8_tensorwise"):
+            wan.with_dit_file(wan.read_config(official), other)
 
 
 # --- GGUF ---------------------------------------------------------------------------------------------------

@@ -78,7 +78,8 @@ class GGUFFile:
         try:
             self._reader = gguf.GGUFReader(str(path))
         except Exception as e:  # gguf raises ValueError/struct errors for a file that is not GGUF
-            raise CheckpointFormatError(f"{path}: not a readable GGUF file ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise CheckpointFormatError(f"{path}: not a readable GGUF file ({why})") from None
         self.tensors: dict[str, GGUFTensor] = {}
         self._by_name = {}
         for t in self._reader.tensors:

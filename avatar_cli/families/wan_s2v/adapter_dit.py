@@ -14,7 +14,9 @@
   accepts both). The `*_fp8_scaled` file stores the Linear weights as float8_e4m3fn with a per-tensor float32
   `<layer>.scale_weight` (real weight = fp8 value x scale, comfy/ops.py `scaled_fp8_ops`), optionally a
   `<layer>.scale_input` (the activation scale of its FP8 matmul, not part of the weight), and a `scaled_fp8`
-  marker tensor whose dtype names the fp8 format.
+  marker tensor whose dtype names the fp8 format. ComfyUI's later mixed-precision files name them per layer
+  instead: `<layer>.weight_scale`, `<layer>.input_scale` and a `<layer>.comfy_quant` JSON blob whose "format" says
+  how the layer is stored (float8_e4m3fn is read; int8, nvfp4 and the other formats are refused by name).
 """
 
 import re
@@ -29,6 +31,12 @@ COMFY_PREFIX = "model.diffusion_model."
 FP8_MARKER = "scaled_fp8"
 FP8_SCALE = ".scale_weight"
 FP8_INPUT_SCALE = ".scale_input"
+# ComfyUI's mixed-precision layout (comfy/quant_ops.py): per layer, the weight's scale, the activations' scale and
+# the layer's format, as a JSON blob in a uint8 tensor.
+QUANT_SCALE = ".weight_scale"
+QUANT_INPUT_SCALE = ".input_scale"
+QUANT_CONFIG = ".comfy_quant"
+QUANT_FORMATS_READ = ("float8_e4m3fn",)
 
 # Inside one block (blocks.N.) and one audio injector (audio_injector.injector.N.), official -> Diffusers.
 _BLOCK = {"modulation": "scale_shift_table", "norm3.weight": "norm2.weight", "norm3.bias": "norm2.bias",
@@ -138,7 +146,14 @@ def comfy_prefix(names) -> str:
 
 def is_fp8_aux(name: str) -> bool:
     """The scaled-FP8 bookkeeping tensors that are not weights of the DiT."""
-    return name == FP8_MARKER or name.endswith((FP8_SCALE, FP8_INPUT_SCALE))
+    return name == FP8_MARKER or name.endswith((FP8_SCALE, FP8_INPUT_SCALE, QUANT_SCALE, QUANT_INPUT_SCALE,
+                                                QUANT_CONFIG, QUANT_SCALE + "_2"))
+
+
+def scale_name(weight: str, names) -> str | None:
+    """The tensor holding a quantized weight's scale, in either of ComfyUI's layouts (None: there is none)."""
+    layer = weight.removesuffix(".weight")
+    return next((layer + s for s in (FP8_SCALE, QUANT_SCALE) if layer + s in names), None)
 
 
 def comfy_to_official_key(name: str, prefix: str) -> str | None:
@@ -155,5 +170,8 @@ def dequantize_scaled_fp8(weight: torch.Tensor, scale: torch.Tensor | None, dtyp
     """A scaled-FP8 weight as ComfyUI computes it (weight.to(float) x scale_weight), rounded once to dtype."""
     w = weight.to(torch.float32)  # (out, in) exact: every fp8 value is a float32
     if scale is not None:
-        w = w * scale.to(torch.float32)  # per-tensor scale, () or (1,)
+        scale = scale.to(torch.float32)
+        if scale.numel() > 1 and scale.numel() == w.shape[0]:
+            scale = scale.reshape(-1, *([1] * (w.dim() - 1)))  # (out, 1...) one per output channel
+        w = w * scale  # per tensor: () or (1,)
     return w.to(dtype)

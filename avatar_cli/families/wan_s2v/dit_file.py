@@ -95,7 +95,31 @@ def inspect(path: str | Path) -> DitFile:
     problem = _model_problem(shapes)
     if problem:
         f.problems.append(f"{path.name}: {problem}")
+    formats = _comfy_quant_formats(path, [n for n in header if n.endswith(adapter_dit.QUANT_CONFIG)])
+    bad = sorted(set(formats) - set(adapter_dit.QUANT_FORMATS_READ))
+    if bad:
+        f.problems.append(f"{path.name}: ComfyUI quantization format(s) {', '.join(bad)} cannot be read here "
+                          f"(readable: {', '.join(adapter_dit.QUANT_FORMATS_READ)} and scaled_fp8 files)")
     return f
+
+
+def _comfy_quant_formats(path: Path, names: list[str]) -> list[str]:
+    """The "format" of each `<layer>.comfy_quant` blob (a few bytes each: read, unlike the weights)."""
+    if not names:
+        return []
+    import json
+
+    from safetensors import safe_open
+
+    out = []
+    with safe_open(str(path), framework="pt", device="cpu") as st:
+        for n in names:
+            try:
+                conf = json.loads(bytes(st.get_tensor(n).to(torch.uint8).tolist()).decode("utf-8"))
+            except (ValueError, UnicodeDecodeError):
+                conf = None
+            out.append(conf.get("format", "unknown") if isinstance(conf, dict) else str(conf))
+    return out
 
 
 def _inspect_gguf(path: Path) -> DitFile:
@@ -206,8 +230,8 @@ def _load_fp8(f: DitFile, params: WanDiTParams, keep: tuple[str, ...]) -> Module
             t = st.get_tensor(name)
             official = adapter_dit.comfy_to_official_key(name, f.prefix)
             if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-                scale_name = name.removesuffix(".weight") + adapter_dit.FP8_SCALE
-                scale = st.get_tensor(scale_name) if scale_name in names else torch.ones(())
+                scale_key = adapter_dit.scale_name(name, names)
+                scale = st.get_tensor(scale_key) if scale_key is not None else torch.ones(())
                 if official in kept and t.dtype == torch.float8_e4m3fn:
                     stored[official] = (t, scale)
                     t = torch.empty(t.shape, dtype=dtype, device="meta")  # (out, in) placeholder, replaced below
