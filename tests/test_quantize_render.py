@@ -106,7 +106,8 @@ def quantized_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def test_lora_is_merged_before_quantizing(tiny):
-    """The quantized weights of base + LoRA are those of the pre-merged file quantized, bit for bit."""
+    """The quantized weights of base + LoRA (merged block by block as each is read, LoraMerge.part) are those of the
+    pre-merged file quantized, bit for bit."""
     from tests.test_wan_lora_render import lora_factors, write_premerged
 
     lora = tiny / "lora.safetensors"
@@ -222,9 +223,9 @@ def test_a_lazy_dit_is_read_and_quantized_a_block_at_a_time(tiny, monkeypatch):
     quantize_linears(whole.model, "int8", PATHS)
     original = quantize_linears.__globals__["load_quantized"]
 
-    def load(model, index, dtype, weights, under):
+    def load(model, *args):
         spy.model = model
-        return original(model, index, dtype, weights, under)
+        return original(model, *args)
 
     monkeypatch.setattr(loading, "materialize", spy)
     monkeypatch.setattr("avatar_cli.runtime.placement.load_quantized", load)

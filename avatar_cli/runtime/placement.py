@@ -13,10 +13,10 @@
 - Lazy modules (`lazy_module`: still on the meta device) are read from their files where they run: whole onto
   the device (or host, when offloaded); a sharded one is sharded on meta first, then each rank reads only
   its shards' rows, so no rank ever holds the whole checkpoint.
-- `runtime.weights: fp8 | int8`: the components the family lists (ParallelPlan.quantized) are read into host
-  memory in the runtime dtype and have their block Linears quantized (runtime/quantize.py) before anything else
-  happens to them, a block at a time; one with an after-load step (a LoRA merge, into the float weights, before
-  any rounding) is read whole first. Offload packs the quantized bytes, and only those reach the device. FSDP2
+- `runtime.weights: fp8 | int8`: the components the family lists (ParallelPlan.quantized) are read in the runtime
+  dtype and have their block Linears quantized (runtime/quantize.py) before anything else happens to them, a block
+  at a time (on the GPU where there is one, then kept in host memory), each block's after-load step (a LoRA merge,
+  into the float weights, before any rounding) first. Offload packs the quantized bytes, and only those reach the device. FSDP2
   cannot shard torchao's quantized tensors, so under several ranks a quantized component is replicated (at half
   its bf16 size) and `runtime.shard: shard` refuses it.
 
@@ -226,8 +226,8 @@ def place(modules: Mapping[str, Module], runtime: Runtime, dist: Dist, offload: 
 
 
 def _quantize(modules: Mapping[str, Module], runtime: Runtime, plan: ParallelPlan, weights: str) -> tuple[str, ...]:
-    """Quantize the plan's `quantized` components in host memory (read in the runtime dtype a block at a time, or
-    whole with the after-load step first); returns their names. bf16: nothing."""
+    """Quantize the plan's `quantized` components into host memory (read in the runtime dtype a block at a time, or
+    whole when their after-load step cannot run by parts); returns their names. bf16: nothing."""
     check_weights(weights)
     if weights == "bf16":
         return ()
@@ -237,8 +237,12 @@ def _quantize(modules: Mapping[str, Module], runtime: Runtime, plan: ParallelPla
         if paths is None:
             continue
         dtype = _dtype(name, runtime, plan)
-        if module.is_lazy and module.after_load is None and hasattr(module.model, "blocks"):
-            n = load_quantized(module.model, module.index, dtype, weights, paths)  # a block at a time
+        step = module.after_load
+        if module.is_lazy and hasattr(module.model, "blocks") and (step is None or hasattr(step, "part")):
+            # A block at a time, its LoRA merged into its float weights first; quantized on the GPU where there is one.
+            module.after_load = None
+            n = load_quantized(module.model, module.index, dtype, weights, paths, step,
+                               runtime.device if runtime.is_cuda else "cpu")
         else:  # read whole: an after-load step (a LoRA) merges into the float weights before they are rounded
             module.to("cpu", dtype)
             _after_load(module)

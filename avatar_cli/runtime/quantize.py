@@ -110,25 +110,38 @@ def quantize_linears(model: nn.Module, weights: str, under: Iterable[str]) -> in
     return _quantize_chosen(model, weights, {id(m) for m in layers.values()})
 
 
-def load_quantized(model: nn.Module, index, dtype: torch.dtype, weights: str, under: Iterable[str]) -> int:
+def load_quantized(model: nn.Module, index, dtype: torch.dtype, weights: str, under: Iterable[str],
+                   after_load=None, work: torch.device | str = "cpu") -> int:
     """Read a model waiting on the meta device (modules.module.lazy_module) from its files into host memory, quantizing
     as it goes: each of `model.blocks` is read in `dtype` and its chosen Linears quantized before the next block is
-    read, then the rest of the model. The host then holds at most the quantized model plus one block in `dtype` (and
-    what lies outside the blocks), not the whole model in `dtype` (32.6 GB for the 14B DiT in bf16). index: the
-    modules.loading.TensorIndex of its files. Returns the number of Linears quantized."""
+    read, then the rest of the model. The host then holds at most the quantized blocks plus the rest in `dtype`
+    (18.6 GB for the 14B DiT), never the whole model in `dtype` (32.6 GB in bf16). index: the
+    modules.loading.TensorIndex of its files.
+
+    after_load: the module's after-load step (a LoRA merge), run on each part right after it is read and before it
+    is quantized; it must offer `part(prefix, exclude)` (families/wan_s2v/lora.py LoraMerge does). work: where each
+    part is read and quantized (a GPU quantizes many times faster than a host); the quantized part then moves to the
+    host. Returns the number of Linears quantized."""
     from avatar_cli.modules.loading import TensorIndex, materialize
 
     check_weights(weights)
     chosen = {id(m) for m in linears_under(model, under).values()}
     names = {id(m): n for n, m in model.named_modules()}
+    prefixes = tuple(names[id(b)] + "." for b in model.blocks)
     n = 0
-    for block in model.blocks:
-        prefix = names[id(block)] + "."
+    for block, prefix in zip(model.blocks, prefixes):
         own = TensorIndex({k[len(prefix):]: v for k, v in index.tensors.items() if k.startswith(prefix)}, index.source)
-        materialize(block, own, "cpu", dtype)
+        materialize(block, own, work, dtype)
+        if after_load is not None:
+            after_load.part(prefix)(block)
         n += _quantize_chosen(block, weights, chosen)
-    materialize(model, index, "cpu", dtype)  # the rest: the blocks' tensors are no longer on meta
-    return n + _quantize_chosen(model, weights, chosen)
+        block.to("cpu")
+    materialize(model, index, work, dtype)  # the rest: the blocks' tensors are no longer on meta
+    if after_load is not None:
+        after_load.part("", exclude=prefixes)(model)
+    n += _quantize_chosen(model, weights, chosen)
+    model.to("cpu")
+    return n
 
 
 def _quantize_chosen(model: nn.Module, weights: str, chosen: set[int]) -> int:

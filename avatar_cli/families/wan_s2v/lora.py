@@ -18,6 +18,7 @@ the whole weights; under FSDP2 each rank into its own rows of each weight, right
 all-gather, so no rank ever holds a whole weight for it.
 """
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -231,6 +232,14 @@ class LoraMerge:
     def __call__(self, model: nn.Module) -> None:
         sharded = any(isinstance(layer.weight, DTensor) for layer in check_lora(model, self.lora).values())
         (merge_lora_sharded if sharded else merge_lora)(model, self.lora, self.scale)
+
+    def part(self, prefix: str, exclude: tuple[str, ...] = ()) -> "LoraMerge":
+        """The merge of the targets under `prefix` (a submodule's name and a dot, "" for the whole model), named
+        from that submodule, leaving out those under `exclude`: a model read a part at a time (runtime/quantize.py
+        load_quantized) merges each part right after reading it. Same arithmetic per target as the whole merge."""
+        modules = {n[len(prefix):]: f for n, f in self.lora.modules.items()
+                   if n.startswith(prefix) and not n.startswith(tuple(exclude))}
+        return LoraMerge(dataclasses.replace(self.lora, modules=modules), self.scale)
 
 
 def checked_lora(dit: WanDiTParams, path: str | Path, rank: int = LIVEAVATAR_RANK,
