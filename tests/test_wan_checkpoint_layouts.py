@@ -381,7 +381,10 @@ def test_models_check_on_files(official, tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    for path, why in ((t2v, "another model"), (other, "architecture 'flux'"), (iq, "IQ2_XXS")):
+    renamed = tmp_path / "transformer.safetensors"  # one file in diffusers' names: the directory reads it
+    save_file({adapter_dit.official_to_diffusers_key(k): v for k, v in dit_state(official).items()}, str(renamed))
+    for path, why in ((t2v, "another model"), (other, "architecture 'flux'"), (iq, "IQ2_XXS"),
+                      (renamed, "Diffusers directory")):
         result = avatar("models", "check", str(path))
         assert result.returncode == 2, result.stdout + result.stderr
         last = result.stderr.strip().splitlines()[-1]

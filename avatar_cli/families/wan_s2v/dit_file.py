@@ -68,6 +68,9 @@ def _model_problem(names) -> str | None:
         return None
     if WAN_MARKER in names:
         return "a Wan DiT of another model (no S2V audio encoder or injectors: T2V, I2V, ...), not Wan2.2-S2V"
+    if "condition_embedder.causal_audio_encoder.weighted_avg.weights" in names:
+        return ("diffusers' WanS2VTransformer3DModel names: name its Diffusers directory (model_index.json, "
+                "transformer/, ...) in model: instead")
     return "not a Wan DiT (no head.modulation)"
 
 
@@ -219,8 +222,8 @@ def _load_fp8(f: DitFile, params: WanDiTParams, keep: tuple[str, ...]) -> Module
     kept = {name + ".weight": layer for name, layer in linears_under(model, keep).items()} if keep else {}
     stored = {}  # official name -> (fp8 data, scale): the weights kept as stored
     with safe_open(str(f.path), framework="pt", device="cpu") as st:
-        names = list(st.keys())
-        plain = [n for n in names if adapter_dit.comfy_to_official_key(n, f.prefix) is not None]
+        names = set(st.keys())
+        plain = [n for n in st.keys() if adapter_dit.comfy_to_official_key(n, f.prefix) is not None]
         # The dtype the weights have where they are not FP8 (bf16 in the release's repackaging).
         floats = Counter(st.get_slice(n).get_dtype() for n in plain)
         other = next((d for d, _ in floats.most_common() if not d.startswith("F8")), "BF16")
