@@ -25,8 +25,9 @@ Sections (--sections, comma-separated; the default runs the first four):
                     wait on the worker's queue, peak GPU memory, the worker's peak RSS, and whether the frames match;
   weights           runtime.weights at full size with random weights: the DiT forward of the wan section's clip with
                     its block Linears in bf16, int8 and fp8 (torchao weight-only, as a render quantizes them): the
-                    weights' GPU memory, the forward's median time (of 3, CUDA events) and its error against the
-                    bf16 forward (relative L2 and max |diff| of the velocity). Needs about 45 GB of GPU memory;
+                    time to quantize them on the GPU, the weights' GPU memory, the forward's median time (of 3,
+                    CUDA events) and its error against the bf16 forward (relative L2 and max |diff| of the
+                    velocity). Needs about 45 GB of GPU memory;
   live              bench/live_gpu.py: the wan-s2v streaming mode's block forward at 704x384, its fps and TTFF;
   live_session      a live session of the sample job on this device (bench/live_latency.py): a WAV on stdin at the
                     speaker's pace, `-o -`: first frame out, latency median and 95th percentile, stalls.
@@ -494,9 +495,12 @@ def weights() -> None:
     for fmt in ("bf16", "int8", "fp8"):
         # The same random weights for each format (one seed), quantized where they are, as placement does on the host.
         model = wb.random_init(wb.on_meta(WanS2VDiT, p, dtype), DEV, seed=0)
-        quantize_linears(model, fmt, paths)
+        h0 = time.perf_counter()
+        quantize_linears(model, fmt, paths)  # on this device, as a render's load does block by block on a GPU
         if DEV.type == "cuda":
+            torch.cuda.synchronize(DEV)
             torch.cuda.empty_cache()
+        quantize_s = time.perf_counter() - h0
         weights_gb = gb_allocated()
         v = model(**inputs)  # warm-up; (16, F, h, w) fp32
         times = []
@@ -508,7 +512,7 @@ def weights() -> None:
             ref = v
         counted = quantized_bytes(wb.on_meta(WanS2VDiT, p, dtype), fmt, paths)
         measure(f"wan weights {fmt}", ms_median=round(median(times), 2), ms_all=[round(x, 2) for x in times],
-                weights_gb=round(weights_gb, 2), counted_bytes=counted,
+                weights_gb=round(weights_gb, 2), counted_bytes=counted, quantize_s=round(quantize_s, 2),
                 rel_l2_vs_bf16=float(f"{((v - ref).norm() / ref.norm()).item():.3g}"),
                 max_abs_vs_bf16=float(f"{(v - ref).abs().max().item():.3g}"),
                 speed_vs_bf16=round(RESULTS.get("wan weights bf16: ms_median", median(times)) / median(times), 3),

@@ -65,7 +65,7 @@ def test_weights_section_runs_on_the_cpu_at_tiny_size(monkeypatch, capsys):
     # the smoke run is float32: int8 keeps more of each weight than fp8 (e4m3), and neither is exact
     assert 0 < int8["rel_l2_vs_bf16"] < fp8["rel_l2_vs_bf16"] < 0.05
     assert int8["counted_bytes"] < bf16["counted_bytes"] and fp8["counted_bytes"] < bf16["counted_bytes"]
-    assert all(m["output_finite"] and m["ms_median"] > 0 for m in found.values())
+    assert all(m["output_finite"] and m["ms_median"] > 0 and m["quantize_s"] >= 0 for m in found.values())
     assert "weights summary: bf16" in out
 
 
