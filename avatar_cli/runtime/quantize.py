@@ -18,8 +18,9 @@ the transformer blocks' projections, which hold nearly all parameters. Norms, em
 modulation, the head and anything the official code runs as an fp32 island stay in the runtime dtype: they are
 small, and their error would act on every token at once (a modulation scales the whole residual stream).
 
-A LoRA is merged into the weights before they are quantized (the merge needs float weights; placement runs the
-module's `after_load` first).
+At load (`load_quantized`, which placement calls) a lazily read model is read and quantized a block at a time, each
+block's LoRA merged into its float weights first, so neither the whole model in bf16 nor a rounded LoRA ever exists.
+`fp8_weight` installs a weight a checkpoint already holds in FP8 with its scales, as the same kind of tensor.
 """
 
 from collections.abc import Iterable, Mapping
@@ -28,7 +29,6 @@ import torch
 from torch import nn
 
 WEIGHT_FORMATS = ("bf16", "fp8", "int8")
-QUANTIZED_FORMATS = ("fp8", "int8")
 
 
 def check_weights(weights: str) -> None:
