@@ -21,13 +21,13 @@ MODES = [("clip", ["video.width=832", "video.height=448"]),
          ("streaming", ["mode=streaming", "video.width=704", "video.height=384"])]
 
 
-def main() -> None:
-    extra = sys.argv[1:]
+def table(extra: list[str]) -> list[str]:
+    """The table's lines (docs/plan.md carries them; tests/test_plan.py checks it still does)."""
+    lines = ["| machine | mode | split | DiT | offload | decode | per GPU | host | speed (40 % of bf16 peak) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     with tempfile.TemporaryDirectory() as d:
         job = Path(d) / "job.yaml"
         job.write_text("reference: ref.png\naudio: speech.wav\noutput: out.mp4\n")
-        print("| machine | mode | split | DiT | offload | decode | per GPU | host | speed (40 % of bf16 peak) |")
-        print("|---|---|---|---|---|---|---|---|---|")
         for gpus, host in MACHINES:
             for mode, keys in MODES:
                 p = make_plan(load_job(job, ["model=wan-s2v-14b", *keys, *extra]), machine(gpus, host))
@@ -37,8 +37,13 @@ def main() -> None:
                 speed = (f"{p.speed['fps']:.1f} fps" if "fps" in p.speed
                          else f"{p.speed['clip_s']:.0f} s per {p.speed['video_s_per_clip']:g} s clip")
                 fits = "" if p.fits else " **does not fit**"
-                print(f"| {gpus}, {host} host | {mode} | {p.parallel} | {dit} | {offload} | {p.decode} | "
-                      f"{p.gpu_bytes / GB:.1f} GB{fits} | {p.host_bytes / GB:.0f} GB | {speed} |")
+                lines.append(f"| {gpus}, {host} host | {mode} | {p.parallel} | {dit} | {offload} | {p.decode} | "
+                             f"{p.gpu_bytes / GB:.1f} GB{fits} | {p.host_bytes / GB:.0f} GB | {speed} |")
+    return lines
+
+
+def main() -> None:
+    print("\n".join(table(sys.argv[1:])))
 
 
 if __name__ == "__main__":

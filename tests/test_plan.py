@@ -149,3 +149,18 @@ def test_a_model_directory_plans_from_its_own_config(job: Path, tmp_path: Path):
                      machine("1x24GB"))
     assert tiny.model == str(tmp_path / "wan") and tiny.ranks[0].offload == "none" and tiny.fits
     assert tiny.ranks[0].weights_bytes < 50e6 < 30e9 < plan(job, "8x80GB", None).ranks[0].weights_bytes
+
+
+def test_the_docs_table_is_what_plan_says():
+    """docs/plan.md's table of the four machines is bench/plan_table.py's output today (the README's is its summary)."""
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "bench"))
+    try:
+        from plan_table import table
+    finally:
+        sys.path.pop(0)
+    doc = (root / "docs" / "plan.md").read_text()
+    missing = [line for line in table([]) if line not in doc]
+    assert not missing, missing
