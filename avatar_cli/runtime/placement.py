@@ -16,9 +16,9 @@
 - `runtime.weights: fp8 | int8`: the components the family lists (ParallelPlan.quantized) are read in the runtime
   dtype and have their block Linears quantized (runtime/quantize.py) before anything else happens to them, a block
   at a time (on the GPU where there is one, then kept in host memory), each block's after-load step (a LoRA merge,
-  into the float weights, before any rounding) first. Offload packs the quantized bytes, and only those reach the device. FSDP2
-  cannot shard torchao's quantized tensors, so under several ranks a quantized component is replicated (at half
-  its bf16 size) and `runtime.shard: shard` refuses it.
+  into the float weights, before any rounding) first. Offload packs the quantized bytes, and only those reach the
+  device. FSDP2 cannot shard torchao's quantized tensors, so under several ranks a quantized component is
+  replicated (at half its bf16 size) and `runtime.shard: shard` refuses it.
 
 The choices are `choose_layout`'s (shard or replicate, then offload), a pure function of the models' sizes, the
 rank count and the free memory: `avatar plan` (plan.py) calls it with sizes counted on the meta device for a
