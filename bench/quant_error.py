@@ -87,7 +87,12 @@ def render_frames(job: Path, weights: str, mode: str) -> np.ndarray:
     out = job.parent / f"{mode}-{weights}.mp4"
     p = prepare(load_job(job, [f"runtime.weights={weights}", f"output={out}", f"mode={mode}"]), force=True)
     render(p, JsonReporter(io.StringIO()))
-    with av.open(str(out)) as f:
+    return frames_of(out)
+
+
+def frames_of(video: Path) -> np.ndarray:
+    """A video's frames, (n, H, W, 3) 0..255 floats."""
+    with av.open(str(video)) as f:
         return np.stack([x.to_ndarray(format="rgb24") for x in f.decode(video=0)]).astype(np.float32)
 
 

@@ -1,6 +1,7 @@
 """runtime.weights: fp8 | int8 on the tiny wan-s2v model: the DiT forward and the end-to-end clip-mode render against
 the official goldens, a streaming-mode render against the unquantized one, the LoRA merged before quantizing, the
-block-at-a-time read, offload of the quantized weights, mini, and the refusals. The figures the bounds are set from
+block-at-a-time read, offload of the quantized weights, two ranks replicating the quantized DiT, mini, and the
+refusals. The figures the bounds are set from
 come from bench/quant_error.py (bench/results.md)."""
 
 import copy
@@ -238,8 +239,9 @@ def test_a_lazy_dit_is_read_and_quantized_a_block_at_a_time(tiny, monkeypatch):
 # The end-to-end golden (two clips of the official WanS2V.generate on a tiny model) rendered with quantized weights,
 # against the official latents and clip 0's frames (tests/test_wan_e2e_golden.py renders it unquantized to 1e-4).
 # Measured (bench/quant_error.py): int8 latents rel. L2 5.7e-3 / 6.0e-3 (clips 0 / 1), frames mean |diff| 2.8e-3;
-# fp8 3.4e-2 / 3.5e-2, 1.9e-2. Bounds: twice that, and a quarter of it below (the weights were quantized).
-OFFICIAL_BOUNDS = {"int8": (1.2e-2, 6e-3), "fp8": (7e-2, 4e-2)}
+# fp8 3.4e-2 / 3.5e-2, 1.9e-2. Bounds: twice that, and an eighth of it below (the weights were quantized). int8
+# only here (fp8's forward is bounded against the official golden above, its render in the streaming test).
+OFFICIAL_BOUNDS = {"int8": (1.2e-2, 6e-3)}
 
 
 def test_end_to_end_golden_with_quantized_weights(tmp_path):
@@ -248,3 +250,20 @@ def test_end_to_end_golden_with_quantized_weights(tmp_path):
         e = errors[weights]
         assert latents / 8 < e["latents_0"] < latents and latents / 8 < e["latents_1"] < latents, (weights, e)
         assert frames / 8 < e["frames_0_mean"] < frames, (weights, e)
+
+
+def test_two_ranks_replicate_the_quantized_dit(tiny, tmp_path):
+    """torchrun, 2 gloo ranks, clip mode: the quantized DiT replicated (not FSDP2-sharded) and run sequence parallel,
+    umT5 sharded: the frames are the one-process int8 render's, within the bound of
+    tests/test_wan_family.py::test_two_ranks_match_one (Ulysses sums in another order; lossless video)."""
+    from tests.conftest import avatar, avatar_process
+
+    job, out = tiny / "job.yaml", {}
+    for n, run in ((1, avatar), (2, avatar_process)):
+        video = tmp_path / f"{n}.mp4"
+        r = run("render", str(job), "-o", str(video), "--json", "--nproc", str(n), "runtime.weights=int8")
+        assert r.returncode == 0, r.stderr[-2000:]
+        out[n] = quant_error.frames_of(video)
+    diff = np.abs(out[1] - out[2])
+    assert out[1].shape == (32, 64, 64, 3)
+    assert (diff > 0).mean() < 1e-3 and diff.max() <= 6, ((diff > 0).mean(), diff.max())
