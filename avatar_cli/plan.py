@@ -226,9 +226,7 @@ def _host_tier(job: Job, m: Machine, ranks: list[RankPlan], sizes: dict[str, Mod
     total_pinned = sum(pinned[r.role] * r.count for r in ranks)
     blocked = any(lay.offload == "block" for lay in layouts)
     mappable = None
-    if source.lora is not None or job.lora is not None:
-        mappable = "a LoRA is merged into the DiT's weights at load, so they are not the file's"
-    elif job.spec.runtime.weights.value != "bf16":
+    if job.spec.runtime.weights.value != "bf16":
         mappable = f"runtime.weights: {job.spec.runtime.weights.value} quantizes the weights at load"
     elif not blocked:
         mappable = "no model is streamed block by block"

@@ -5,6 +5,7 @@ import copy
 import dataclasses
 import logging
 import os
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -410,3 +411,53 @@ def test_wan_render_streaming_blocks_from_the_mapped_checkpoint_equals_the_resid
     assert "kept free for state and activations (counted on the meta device)" in caplog.text
     dit_loads = [label for label in t.loads if label.startswith("dit: block")]
     assert t.live_bytes == 0 and dit_loads[:4] == ["dit: block 0", "dit: block 1", "dit: block 2", "dit: block 0"]
+
+
+@torch.no_grad()
+def test_mmap_tier_merges_a_lora_into_each_block_as_it_lands(tmp_path: Path):
+    """A LoRA'd DiT (the streaming mode's) from the memory-mapped base checkpoint: the root's targets merged once on
+    the host, each block's on the "device" each time its copy lands; two forwards (the blocks stream through twice)
+    equal the forward of the weights merged once at load, bit for bit, and the file is left as it was."""
+    from avatar_cli.families.registry import init_family_dir, load_modules, resolve_model, with_lora
+    from avatar_cli.runtime.device import Runtime
+    from avatar_cli.runtime.distributed import Dist
+    from avatar_cli.runtime.placement import place
+    from tests.test_wan_lora_render import RANK, SCALE, lora_factors
+
+    base, lora = tmp_path / "wan", tmp_path / "lora.safetensors"
+    init_family_dir(base, "tiny", seed=0, family="wan-s2v")
+    save_file(lora_factors(), str(lora))
+    source = with_lora(resolve_model(str(base), tmp_path), lora, RANK, SCALE)
+    rt = Runtime(torch.device("cpu"), torch.float32)
+    merged = load_modules(source)["dit"]
+    place({"dit": merged}, rt, Dist())  # read whole, merged once
+    dit = load_modules(source)["dit"]
+    t = HostTransfer()
+    placement = place({"dit": dit}, rt, Dist(), "block", transfer=t, free_bytes=1, offload_host="mmap")
+    off = placement.offloaders["dit"]
+    assert off.mapped is not None and dit.after_load is None and len(off._merges) == len(dit.model.blocks)
+    fresh = MappedCheckpoint(dit.index.tensors)
+    before = {k: fresh.tensor(k).clone() for k in dit.index.tensors}
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    try:
+        import wan_budget as wb
+    finally:
+        sys.path.pop(0)
+    args = wb.dit_inputs(dit.model.params, wb.CLIP_TINY, "cpu", torch.Generator().manual_seed(0))
+    with off.stage():
+        outs = [dit.model(**args) for _ in range(2)]
+    want = merged.model(**args)
+    assert all(torch.equal(o, want) for o in outs) and not torch.equal(want, dit_without_lora(base, args))
+    after = MappedCheckpoint(dit.index.tensors)
+    assert all(torch.equal(after.tensor(k), v) for k, v in before.items())  # the file holds the base weights
+
+
+def dit_without_lora(base: Path, args: dict) -> torch.Tensor:
+    from avatar_cli.families.registry import load_modules, resolve_model
+    from avatar_cli.runtime.device import Runtime
+    from avatar_cli.runtime.distributed import Dist
+    from avatar_cli.runtime.placement import place
+
+    plain = load_modules(resolve_model(str(base), base.parent))["dit"]
+    place({"dit": plain}, Runtime(torch.device("cpu"), torch.float32), Dist())
+    return plain.model(**args)

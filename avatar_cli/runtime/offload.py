@@ -32,7 +32,7 @@ import contextlib
 import logging
 import mmap
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -361,6 +361,14 @@ class _Stage:
             self.end()
 
 
+class PartMerge(Protocol):
+    """A change of a model's weights that can be applied a part at a time (families/wan_s2v/lora.py LoraMerge):
+    part(prefix, exclude) is the change of the targets under the submodule `prefix` names, as a function of that
+    submodule."""
+
+    def part(self, prefix: str, exclude: tuple[str, ...] = ()) -> Callable[[nn.Module], None]: ...
+
+
 class _EnteringBlocks(nn.ModuleList):
     """The offloaded model's `blocks`, unchanged but for iteration: during a stage, block i is brought onto the
     device as the loop reaches it (idempotent with the block's own forward pre-hook)."""
@@ -384,11 +392,15 @@ class BlockOffloader(_Stage):
     """
 
     def __init__(self, model: nn.Module, transfer: Transfer, blocks: nn.ModuleList | None = None, name: str = "",
-                 mapped: MappedCheckpoint | None = None, dtype: torch.dtype | None = None):
+                 mapped: MappedCheckpoint | None = None, dtype: torch.dtype | None = None,
+                 merge: "PartMerge | None" = None):
         """mapped: the mmap host tier: the model (on meta) reads its blocks from this mapped checkpoint at every
         stage, staged through two pinned buffers the size of the largest block, and its other parameters once
         into a pinned slab; dtype: the dtype it computes in (the file's is cast while staging where it differs).
-        Without it, every parameter is copied into pinned host slabs (the pinned tier)."""
+        Without it, every parameter is copied into pinned host slabs (the pinned tier).
+        merge (with mapped): a change of the weights that a loaded model would get once (a LoRA merge): its part
+        outside the blocks is applied once to the host slab; a block's part on the device, each time the block's
+        copy lands (the file's bytes are never changed)."""
         self.transfer = transfer
         blocks = blocks if blocks is not None else model.blocks
         in_blocks = {id(p) for b in blocks for p in b.parameters()}
@@ -399,6 +411,14 @@ class BlockOffloader(_Stage):
             _off_meta(model, in_blocks, mapped, dtype)
             in_blocks = {id(p) for b in blocks for p in b.parameters()}
         root = [p for p in _unique_params(model) if id(p) not in in_blocks]
+        self._merges: list[Callable[[nn.Module], None]] = []
+        if mapped is not None and merge is not None:
+            where = {id(m): n for n, m in model.named_modules()}
+            prefix_of_blocks = where[id(blocks)] + "."
+            merge.part("", exclude=(prefix_of_blocks,))(model)  # the root's targets, on the host, once
+            self._merges = [merge.part(f"{prefix_of_blocks}{i}.") for i in range(len(blocks))]
+        elif merge is not None:
+            raise ValueError("BlockOffloader: merge goes with mapped (a pinned model is merged before it is packed)")
         if mapped is not None:
             names = {}
             for n, p in model.named_parameters(remove_duplicate=False):
@@ -522,7 +542,8 @@ class BlockOffloader(_Stage):
     def _enter(self, i: int) -> None:
         if not self.active:
             self.begin()
-        if i in self._resident:
+        landed = i not in self._resident
+        if not landed:
             buf = self._resident.index(i)
         else:
             if i not in self._pending:  # out of order (not prefetched): load into the buffer not in use
@@ -541,6 +562,8 @@ class BlockOffloader(_Stage):
         if nxt not in self._resident and nxt not in self._pending:
             self._evict(other)
             self._issue(nxt, other)
+        if landed and self._merges:  # after the next copy is on its way: the merge's kernels overlap it
+            self._merges[i](self._blocks[i])
 
 
 class ModelOffloader(_Stage):

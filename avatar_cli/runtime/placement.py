@@ -316,8 +316,8 @@ def mmap_blocker(module: Module) -> str | None:
         return f"{module.name} has no blocks"
     if not module.is_lazy:
         return f"{module.name} is not read lazily from a safetensors file"
-    if module.after_load is not None:
-        return "a LoRA is merged into the DiT's weights at load, so they are not the file's"
+    if module.after_load is not None and not hasattr(module.after_load, "part"):
+        return f"{module.name}'s weights are changed at load as a whole, so they are not the file's"
     if any(info.span is None for info in module.index.tensors.values()):
         return f"{module.name}'s checkpoint is not safetensors"
     return None
@@ -351,9 +351,11 @@ def _offload_replicated(modules: Mapping[str, Module], runtime: Runtime, choice:
             _after_load(module)
             continue
         if choice == "block" and tier == "mmap" and mmap_blocker(module) is None:
+            # A LoRA (after_load) merges into each block on the device as its copy lands, the root's once here.
+            merge, module.after_load = module.after_load, None
             placement.offloaders[name] = BlockOffloader(module.model, transfer, name=name,
                                                         mapped=MappedCheckpoint(module.index.tensors),
-                                                        dtype=_dtype(name, runtime, plan))
+                                                        dtype=_dtype(name, runtime, plan), merge=merge)
             continue
         module.to("cpu", _dtype(name, runtime, plan))
         _after_load(module)  # before the offloader takes the weights into its host slabs
