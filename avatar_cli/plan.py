@@ -384,7 +384,6 @@ def make_plan(job: Job, m: Machine, util: float = 0.4) -> Plan:
     tier, tier_why = _host_tier(job, m, ranks, loaded, source, layouts)
     gpu = max(r.gpu_bytes for r in ranks)
     host = sum(r.host_bytes * r.count for r in ranks) + int(HOST_RESERVE)
-    fits = gpu <= m.gpu_bytes and (m.host_bytes is None or host <= m.host_bytes)
     speed = _speed(b, m, util, split.value, decode, ranks, loaded, tier)
     notes = list(b.notes)
     if text == "cache" and text_names:
@@ -395,6 +394,9 @@ def make_plan(job: Job, m: Machine, util: float = 0.4) -> Plan:
         notes.append(f"does not fit: the fullest GPU needs {gpu / GB:.1f} GB of {m.gpu_bytes / GB:.1f} GB")
     if m.host_bytes is not None and host > m.host_bytes:
         notes.append(f"does not fit: the host needs {host / GB:.1f} GB of {m.host_bytes / GB:.1f} GB")
+    fits = gpu <= m.gpu_bytes and (m.host_bytes is None or host <= m.host_bytes)
+    if not fits and (rt.weights.value == "bf16" or rt.vae_dtype.value != "bfloat16"):
+        notes.append(_smaller(job, m, util))
     return Plan(job=str(job.path), model=source.name, family=spec.name, mode=source.mode, size=size,
                 machine=m.label, card=m.card.name, utilisation=util, parallel=split.value, parallel_why=split_why,
                 decode=decode, decode_why=decode_why, vae_dtype=b.models["vae"].dtype, text=text, text_why=text_why,
@@ -402,6 +404,19 @@ def make_plan(job: Job, m: Machine, util: float = 0.4) -> Plan:
                 host_tier=tier,
                 host_tier_why=tier_why, ranks=ranks, gpu_bytes=gpu, gpu_capacity=m.gpu_bytes, host_bytes=host,
                 host_capacity=m.host_bytes, fits=fits, speed=speed, notes=notes)
+
+
+def _smaller(job: Job, m: Machine, util: float) -> str:
+    """What the smallest settings would need on the same machine: int8 weights and a bf16 VAE decode."""
+    from avatar_cli.spec import VaeDType, Weights  # the enums of the keys it sets
+
+    keys = "runtime.weights=int8 runtime.vae_dtype=bfloat16"
+    rt = replace(job.spec.runtime, weights=Weights.int8, vae_dtype=VaeDType.bfloat16)
+    small = make_plan(replace(job, spec=replace(job.spec, runtime=rt)), m, util)
+    if small.fits:
+        return f"with {keys}: it fits ({small.gpu_bytes / GB:.1f} GB per GPU, {small.host_bytes / GB:.1f} GB of host)"
+    return (f"with {keys} it still does not fit ({small.gpu_bytes / GB:.1f} GB per GPU, "
+            f"{small.host_bytes / GB:.1f} GB of host): more GPUs, or bigger ones")
 
 
 def _weights_why(weights: str, b: Budget, dtype_why: str) -> str:

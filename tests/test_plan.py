@@ -77,6 +77,8 @@ def test_the_host_tier_at_full_size_on_one_24gb_card_and_a_32gb_host(job: Path):
     mapped = plan(job, "1x24GB", "32GB", "runtime.offload_host=mmap")
     assert pinned.gpu_bytes == mapped.gpu_bytes <= 24 * GIB
     assert pinned.host_bytes > 32 * GIB and not pinned.fits and "host needs" in " ".join(pinned.notes)
+    # and what would: the smallest settings, planned on the same machine
+    assert "with runtime.weights=int8 runtime.vae_dtype=bfloat16: it fits" in " ".join(pinned.notes)
     assert mapped.host_bytes < 16 * GB and mapped.fits
     assert pinned.host_bytes - mapped.host_bytes > 28 * GB - 2 * 0.71 * GB
     assert "disk" in mapped.speed["forward"]  # a 32 GB host's page cache cannot hold 28 GB of blocks
@@ -94,6 +96,7 @@ def test_streaming_mode_plans(job: Path):
 
     one = plan(job, "1x24GB", "64GB", mode=STREAMING)
     assert not one.fits and one.ranks[0].state_bytes > 40 * GB and "does not fit" in " ".join(one.notes)
+    assert "bfloat16 it still does not fit" in " ".join(one.notes)  # the rings are no weights
 
 
 def test_plan_command_json_and_bad_machines(job: Path, capsys):
