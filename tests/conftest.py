@@ -145,11 +145,12 @@ def small_disk(tmp_path: Path):
 
 
 def fill(disk: Path) -> None:
-    """Another process fills the disk: write until there is no space left."""
-    with open(disk / "filler", "wb") as f:
-        try:
+    """Another process fills the disk: write until there is no space left (the render may have filled it first:
+    then even creating the file fails)."""
+    try:
+        with open(disk / "filler", "wb") as f:
             while True:
                 f.write(b"\0" * 65536)
                 f.flush()
-        except OSError:
-            pass
+    except OSError:
+        pass
