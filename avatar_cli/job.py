@@ -221,6 +221,8 @@ def resolve(job: Job, force: bool = False, world_size: int | None = None) -> Res
         raise InputError(f"{job.path}: {e}") from None
 
     world = world_size if world_size is not None else ranks()
+    if job.spec.runtime.rings.value == "host" and world > 1:
+        raise InputError("runtime.rings: host runs on one rank (several ranks share the rings out instead)")
     parallel, parallel_why = resolve_parallel(job, model, world)
     on, transitions_why = choose_transitions(job.spec.chunking.transitions, family.geometry.kinds,
                                              runtime.device.type)

@@ -211,9 +211,10 @@ def _rank(role: str, count: int, sizes: dict[str, ModelBytes], job: Job, family,
                     layout.offload_why, layout.weights_peak(), state, work, worker), layout
 
 
-def _host_tier(job: Job, m: Machine, ranks: list[RankPlan], sizes: dict[str, ModelBytes], source, layouts
-               ) -> tuple[str, str]:
-    """Fill in each rank's host bytes under the tier the render would choose, and return (tier, why)."""
+def _host_tier(job: Job, m: Machine, ranks: list[RankPlan], sizes: dict[str, ModelBytes], source, layouts,
+               extra: int = 0) -> tuple[str, str]:
+    """Fill in each rank's host bytes under the tier the render would choose, and return (tier, why). extra: host
+    memory pinned besides (rings in host memory)."""
     pinned = {}
     for r, lay in zip(ranks, layouts):
         per = 0
@@ -235,7 +236,7 @@ def _host_tier(job: Job, m: Machine, ranks: list[RankPlan], sizes: dict[str, Mod
         tier, why = ("pinned", "idle models wait in pinned host memory") if total_pinned else ("", "nothing offloaded")
     else:
         try:
-            tier, why = host_tier_choice(setting, m.host_bytes, total_pinned + int(HOST_RESERVE), mappable)
+            tier, why = host_tier_choice(setting, m.host_bytes, total_pinned + extra + int(HOST_RESERVE), mappable)
         except ValueError as e:
             raise InputError(str(e)) from None
     for r, lay in zip(ranks, layouts):
@@ -280,10 +281,14 @@ def _forward_s(b: Budget, m: Machine, util: float, ranks: int, r: RankPlan, size
 
 
 def _speed(b: Budget, m: Machine, util: float, p_split: str, decode: str, ranks: list[RankPlan],
-           sizes: dict[str, ModelBytes], tier: str) -> dict:
+           sizes: dict[str, ModelBytes], tier: str, rings_host: bool = False) -> dict:
     dit_rank = next(r for r in ranks if "dit" in r.models)
     world = m.gpus if p_split == "sequence" else 1
     fwd, how = _forward_s(b, m, util, world, dit_rank, sizes, tier, m.host_bytes)
+    if rings_host:  # each forward brings its step's ring and the sink in, layer by layer, after the block copies
+        t = b.ring_layer * sizes["dit"].blocks / (m.card.host_gbs * GB)
+        fwd += t
+        how += f"; rings from host memory {t:.3f} s"
     # The VAE in float32 runs its convolutions as TF32, half the bf16 rate on these cards; whole on one GPU.
     dec = b.decode_flops / (util * m.card.bf16_tflops / (2 if b.models["vae"].dtype == "float32" else 1) * 1e12)
     video_s = b.chunk_frames / b.fps
@@ -315,7 +320,21 @@ def job_budget(job: Job, source, size: tuple[int, int], dtype: torch.dtype) -> B
                               vae_dtype)
 
 
-def working_set(b: Budget, family, split: Split, world: int, rank: int, decode: str) -> tuple[int, int, int]:
+def rings_on_host(setting: str, world: int, need: int, free: int | None) -> tuple[bool, str]:
+    """`runtime.rings` -> (in host memory?, why). need: the device bytes of this rank's models and working set with
+    the rings on the device; free: the device's free memory (None: unknown, a CPU). auto: host on one rank where
+    that does not fit, which is cheaper than streaming the DiT's blocks (a forward brings in its step's ring and
+    the sink, 12.5 GB at 704x384, against the blocks' 28 GB), and may spare it."""
+    if setting != "auto":
+        return setting == "host", "asked for"
+    if world == 1 and free is not None and need > free:
+        return True, (f"auto: the models and the rings need {need / GB:.1f} GB on the device, {free / GB:.1f} GB "
+                      "is free")
+    return False, "auto: on the device" + (" (several ranks share them out)" if world > 1 else "")
+
+
+def working_set(b: Budget, family, split: Split, world: int, rank: int, decode: str,
+                rings_host: bool = False) -> tuple[int, int, int]:
     """(state, activations, decode worker) bytes one rank's GPU holds beside its weights: what the layout choice
     keeps free (`working_bytes`), for `avatar plan` and for a render alike (runner.py).
 
@@ -323,26 +342,40 @@ def working_set(b: Budget, family, split: Split, world: int, rank: int, decode: 
     rank the decoder cache and the decode's peak. Otherwise: the DiT's rolling state divided by heads over the
     ranks, a forward's activations divided by tokens, and the decode's cache and peak where the decode runs in the
     render process (inline); a decode worker (rank 0's GPU, its own process) holds the decode's models, cache and
-    peak beside."""
+    peak beside. rings_host: the rings and sink wait in host memory (runtime.rings), one layer's at a time here."""
     if split == Split.steps:
         return (b.step_state, b.a2v_peak, 0) if rank else (b.decode_state, b.decode_peak, 0)
     inline = decode == "inline"
-    state = b.state // world + (b.decode_state if inline else 0)
-    work = max(b.a2v_peak // world, b.decode_peak if inline else 0)
+    state = (0 if rings_host else b.state // world) + (b.decode_state if inline else 0)
+    work = max(b.a2v_peak // world + (b.ring_layer if rings_host else 0), b.decode_peak if inline else 0)
     worker = 0
     if decode == "worker" and rank == 0:
         worker = sum(b.models[n].total for n in family.needs[Step.decode]) + b.decode_state + b.decode_peak
     return state, work, worker
 
 
-def render_working_bytes(p, runtime: Runtime, rank: int) -> int | None:
+def render_working_bytes(p, runtime: Runtime, rank: int, rings_host: bool = False) -> int | None:
     """The working set a render of the resolved job `p` keeps free on this rank's GPU, counted on meta as `avatar
     plan` counts it; None where the family has no budget (the placement then keeps its default reserve)."""
     source = p.model
     if source.spec.budget is None:
         return None
     b = job_budget(p.job, source, p.gen_size, runtime.dtype)
-    return sum(working_set(b, source.family, p.parallel, p.world_size, rank, p.decode.value))
+    return sum(working_set(b, source.family, p.parallel, p.world_size, rank, p.decode.value, rings_host))
+
+
+def render_rings(p, runtime: Runtime, free: int | None, skip=()) -> tuple[bool, str] | None:
+    """`runtime.rings` for a render of the resolved job `p` on one rank's device with `free` bytes free, as
+    `avatar plan` decides it; None where the family keeps no rings (or has no budget to count them)."""
+    source, setting = p.model, p.job.spec.runtime.rings.value
+    if source.spec.budget is None or (setting != "host" and (not runtime.is_cuda or p.parallel == Split.steps)):
+        return None
+    b = job_budget(p.job, source, p.gen_size, runtime.dtype)
+    if not b.state:
+        return None
+    models = sum(m.total for n, m in b.models.items() if n not in skip)
+    ws = working_set(b, source.family, p.parallel, p.world_size, 0, p.decode.value)
+    return rings_on_host(setting, p.world_size, models + sum(ws), free)
 
 
 def make_plan(job: Job, m: Machine, util: float = 0.4) -> Plan:
@@ -370,6 +403,7 @@ def make_plan(job: Job, m: Machine, util: float = 0.4) -> Plan:
     decode, decode_why = resolve_decode(job, family, runtime, split)
     free = m.usable
     ranks, layouts = [], []
+    rings_host, rings_why = False, ""
     if split == Split.steps:
         for role, rank, count in (("a step rank", 1, m.gpus - 1), ("the decode rank", 0, 1)):
             keep = {n: s for n, s in loaded.items() if n not in rank_skips(family, rank)}
@@ -377,15 +411,24 @@ def make_plan(job: Job, m: Machine, util: float = 0.4) -> Plan:
             ranks.append(r)
             layouts.append(lay)
     else:  # rank 0 is the fullest (a decode worker shares its GPU): every rank is planned as it
+        ws = working_set(b, family, split, m.gpus, 0, decode)
+        # Where the rings wait, decided before the layout as a render decides it (runner.py).
+        rings_host, rings_why = rings_on_host(rt.rings.value, m.gpus, sum(s.total for s in loaded.values()) + sum(ws),
+                                              free) if b.state else (False, "")
         r, lay = _rank("every rank" if m.gpus > 1 else "the GPU", m.gpus, loaded, job, family, m.gpus, free,
-                       *working_set(b, family, split, m.gpus, 0, decode))
+                       *working_set(b, family, split, m.gpus, 0, decode, rings_host))
         ranks.append(r)
         layouts.append(lay)
-    tier, tier_why = _host_tier(job, m, ranks, loaded, source, layouts)
+    tier, tier_why = _host_tier(job, m, ranks, loaded, source, layouts, b.state if rings_host else 0)
+    if rings_host:
+        ranks[0].host_bytes += b.state  # pinned
     gpu = max(r.gpu_bytes for r in ranks)
     host = sum(r.host_bytes * r.count for r in ranks) + int(HOST_RESERVE)
-    speed = _speed(b, m, util, split.value, decode, ranks, loaded, tier)
+    speed = _speed(b, m, util, split.value, decode, ranks, loaded, tier, rings_host)
     notes = list(b.notes)
+    if rings_host:
+        notes.append(f"runtime.rings: host ({rings_why}): {b.state / GB:.1f} GB in pinned host memory, "
+                     f"{b.ring_layer / GB:.2f} GB brought in per layer")
     if text == "cache" and text_names:
         t = sum(b.models[n].total for n in text_names)
         notes.append(f"`avatar prompts encode` loads the text encoder alone: {t / GB:.1f} GB "

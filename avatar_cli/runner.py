@@ -30,13 +30,13 @@ from avatar_cli.pipeline.fingerprint import describe_change, job_fingerprint
 from avatar_cli.pipeline.events import ChunkDone, ResumeFrom, Stretch
 from avatar_cli.pipeline.run import Pipeline
 from avatar_cli.pipeline.steps import rank_skips
-from avatar_cli.plan import render_working_bytes
+from avatar_cli.plan import render_rings, render_working_bytes
 from avatar_cli.prompts import cache as prompt_cache
 from avatar_cli.report import Reporter, peak_rss_mb
 from avatar_cli.runtime.device import Runtime, cpu_info, dtype_name, resolve_runtime, set_cpu_threads
 from avatar_cli.runtime.distributed import Dist, current_dist, launched_by_torchrun
 from avatar_cli.runtime.numa import bind_to_gpu_node
-from avatar_cli.runtime.offload import Transfer
+from avatar_cli.runtime.offload import Transfer, host_available
 from avatar_cli.runtime.placement import Placement, place, plan_for
 from avatar_cli.stages.decode_worker import DecodeWorker
 from avatar_cli.spec import Decode
@@ -177,7 +177,7 @@ def _working_bytes(p: ResolvedJob, runtime: Runtime, dist: Dist, models: ModelCa
     rt = p.job.spec.runtime
     if not (runtime.is_cuda or models.transfer is not None) or "auto" not in (rt.offload.value, rt.shard.value):
         return None
-    working = render_working_bytes(p, runtime, dist.rank)
+    working = render_working_bytes(p, runtime, dist.rank, p.model.family.rings_on_host)
     if working is not None:
         log.info("placement: %.1f GB kept free for state and activations (counted on the meta device)",
                  working / 1e9)
@@ -208,6 +208,22 @@ def setup_runtime(spec, runtime: Runtime | None = None) -> tuple[Runtime, Dist]:
             torch.set_num_threads(min(torch.get_num_threads(), len(cpus)))  # no more threads than our CPUs
     dist = current_dist(runtime.device.type)
     return runtime, dist
+
+
+def place_rings(p: ResolvedJob, runtime: Runtime, skip: Collection[str] = ()) -> str | None:
+    """`runtime.rings` for this render, decided before placement as `avatar plan` decides it (plan.rings_on_host),
+    set on the family; returns why (None: the family keeps no rings). Rings in host memory the host cannot hold
+    are exit 2 now, not an allocation failure blocks later."""
+    family = p.model.family
+    free = torch.cuda.mem_get_info(runtime.device)[0] if runtime.is_cuda else None
+    got = render_rings(p, runtime, free, skip)
+    family.rings_on_host = bool(got and got[0])
+    if family.rings_on_host:
+        need, avail = family.resume_bytes(p.gen_size, p.job.spec.sampling.steps), host_available()
+        if avail is not None and need > avail:
+            raise InputError(f"runtime.rings: host: the key/value rings need {need / 1e9:.1f} GB of host memory, "
+                             f"{avail / 1e9:.1f} GB is available (`avatar plan` counts what a machine needs)")
+    return got[1] if got is not None else None
 
 
 def _resume_point(p: ResolvedJob, fingerprint: dict[str, str], reporter: Reporter, strict: bool):
@@ -332,6 +348,9 @@ def _render_locked(p: ResolvedJob, reporter: Reporter, models: ModelCache | None
     # The timestep pipeline: each rank loads what its role runs and places it alone (nothing is sharded).
     steps = p.parallel == Split.steps
     absent = rank_skips(p.model.family, dist.rank) if steps else set()
+    rings_why = place_rings(p, runtime, {*prompt_cache.skipped(prompts, spec.prompt), *absent})
+    if main and rings_why is not None:
+        reporter.info(f"rings: {'host' if p.model.family.rings_on_host else 'device'} ({rings_why})")
     models = models or ModelCache()
     modules, placement = models.get(p.model, runtime, Dist() if steps else dist, spec.runtime, reporter,
                                     skip={*prompt_cache.skipped(prompts, spec.prompt), *absent},

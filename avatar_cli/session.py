@@ -48,7 +48,7 @@ from avatar_cli.pipeline.run import Pipeline
 from avatar_cli.pipeline.steps import rank_skips
 from avatar_cli.prompts import cache as prompt_cache
 from avatar_cli.report import Reporter, peak_rss_mb
-from avatar_cli.runner import ModelCache, setup_runtime
+from avatar_cli.runner import ModelCache, place_rings, setup_runtime
 from avatar_cli.runtime.distributed import Dist, collective_timeout_s
 from avatar_cli.spec import is_stream_input
 
@@ -187,6 +187,7 @@ def run_session(p: ResolvedJob, reporter: Reporter, models: ModelCache | None = 
         prompt_cache.ready(prompts, spec.prompt, runtime.device, dist)
         # The timestep pipeline: each rank loads what its role runs and places it alone (nothing is sharded).
         absent = rank_skips(family, dist.rank) if steps else set()
+        place_rings(p, runtime, {*prompt_cache.skipped(prompts, spec.prompt), *absent})
         modules, placement = (models or ModelCache()).get(p.model, runtime, Dist() if steps else dist, spec.runtime,
                                                           reporter, skip={*prompt_cache.skipped(prompts, spec.prompt),
                                                                           *absent})

@@ -57,6 +57,12 @@ class OffloadHost(str, Enum):
     mmap = "mmap"
 
 
+class Rings(str, Enum):
+    auto = "auto"
+    device = "device"
+    host = "host"
+
+
 class Parallel(str, Enum):
     auto = "auto"
     sequence = "sequence"
@@ -147,6 +153,10 @@ class RuntimeSpec:
     # itself, memory-mapped (the page cache, shared by every process), copied block by block; auto: pinned when the
     # copies fit the host's available memory, else mmap.
     offload_host: OffloadHost = OffloadHost.auto
+    # The wan-s2v streaming mode's key/value rings and sink (41.5 + 2.2 GB at 704x384): device | host (pinned host
+    # memory, each layer's brought in for its attention: one rank only) | auto: host where the DiT's blocks are
+    # streamed (runtime.offload: block on one GPU), else on the device.
+    rings: Rings = Rings.auto
     reshard: Reshard = Reshard.per_block  # several GPUs: FSDP2 reshards after each block, or after each stage
     shard: Shard = Shard.auto  # several GPUs: shard the big models (FSDP2) or replicate them; auto: from memory
     # The DiT's weights in memory: bf16 = in the runtime dtype (`dtype`), as loaded; fp8 | int8 = the Linears of its

@@ -36,9 +36,10 @@ def table(extra: list[str]) -> list[str]:
                 offload = r.offload + (f" ({p.host_tier})" if p.host_tier and r.offload == "block" else "")
                 speed = (f"{p.speed['fps']:.1f} fps" if "fps" in p.speed
                          else f"{p.speed['clip_s']:.0f} s per {p.speed['video_s_per_clip']:g} s clip")
-                fits = "" if p.fits else " **does not fit**"
+                gpu_fits = "" if p.gpu_bytes <= p.gpu_capacity else " **does not fit**"
+                host_fits = "" if p.host_capacity is None or p.host_bytes <= p.host_capacity else " **does not fit**"
                 lines.append(f"| {gpus}, {host} host | {mode} | {p.parallel} | {dit} | {offload} | {p.decode} | "
-                             f"{p.gpu_bytes / GB:.1f} GB{fits} | {p.host_bytes / GB:.0f} GB | {speed} |")
+                             f"{p.gpu_bytes / GB:.1f} GB{gpu_fits} | {p.host_bytes / GB:.0f} GB{host_fits} | {speed} |")
     return lines
 
 

@@ -249,6 +249,17 @@ def test_streaming_mode_from_the_job_spec(one_rank, tmp_path: Path):
     assert events(result.stdout)[-1]["frames"] == 101 and chunks[-1]["end"] == 101
     bad = cli("validate", job, "mode=streaming", "sampling.guidance=4.5")
     assert bad.returncode == 2 and "without guidance" in bad.stderr
+    # The rings in host memory (runtime.rings: host; here the host is the device): the same frames, said once.
+    host = cli("render", job, "mode=streaming", "runtime.rings=host", "-o", str(tmp_path / "host.mp4"), "--json")
+    assert host.returncode == 0, host.stderr
+    assert events(host.stdout)[-1]["frames_digest"] == events(result.stdout)[-1]["frames_digest"]
+    assert host.stderr.count("rings: host (asked for)") == 1
+    from avatar_cli.errors import InputError
+    from avatar_cli.job import resolve
+    from avatar_cli.spec import load_job
+
+    with pytest.raises(InputError, match="runtime.rings: host runs on one rank"):
+        resolve(load_job(Path(job), ["mode=streaming", "runtime.rings=host"]), force=True, world_size=2)
 
 
 def test_a_bfloat16_vae_renders_near_the_float32_one(one_rank, tmp_path: Path):

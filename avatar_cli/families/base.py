@@ -166,6 +166,8 @@ class Family(ABC):
     copying the next step's in) around it. A step a family does not have (no super-resolution) needs ().
     """
 
+    rings_on_host = False  # where key/value rings wait, for a family that keeps some (runtime.rings)
+
     name: ClassVar[str]
     needs: ClassVar[Mapping[Step, tuple[str, ...]]]  # step -> the components it runs (every Step a key)
     # Later chunks are conditioned on decoded frames (re-encoded motion pixels): then every rank decodes, not

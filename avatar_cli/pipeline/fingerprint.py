@@ -29,8 +29,9 @@ def spec_digest(job: Job) -> str:
         spec["runtime"].pop("weights")
     if spec["runtime"].get("vae_dtype") == "auto":  # the default, as for mode; another dtype changes the frames
         spec["runtime"].pop("vae_dtype")
-    # Where prompt encodings come from, how ranks split the work and which process decodes change no frame.
-    for key in ("text_cache", "text_service", "parallel", "decode"):
+    # Where prompt encodings come from, how ranks split the work, which process decodes and where the rings wait
+    # change no frame.
+    for key in ("text_cache", "text_service", "parallel", "decode", "rings"):
         spec["runtime"].pop(key)
     spec.pop("live")  # a live session's settings: a render that can resume is not one
     if spec.get("dit") is None:  # the model directory's own DiT: such a job digests as before the key existed

@@ -35,7 +35,8 @@ class Budget:
       rank count); decode_peak: the decode and re-encode of one chunk; state: the DiT's rolling state kept on the
       device between chunks by one rank (key/value rings and sink; sequence parallelism divides it by heads);
       decode_state: the decoder's (its causal cache, and motion latents), kept whole where the decode runs;
-      step_state: what one rank of the timestep pipeline keeps (its step's ring and the sink; 0 without one).
+      step_state: what one rank of the timestep pipeline keeps (its step's ring and the sink; 0 without one);
+      ring_layer: where the rings wait in host memory (runtime.rings: host), what one layer's attention brings in.
     forward_flops: one DiT forward; forwards: DiT forwards per chunk (steps x guidance branches); chunk_frames: new
     video frames per chunk; decode_flops: decode (and re-encode) per chunk, in the VAE's dtype.
     """
@@ -54,4 +55,5 @@ class Budget:
     chunk_frames: int
     decode_flops: float
     step_state: int = 0
+    ring_layer: int = 0  # one layer's ring and sink, brought in for one forward where they wait in host memory
     notes: tuple[str, ...] = field(default=())

@@ -160,8 +160,10 @@ def budget(config, mode: str, size: tuple[int, int], dtype: torch.dtype, steps: 
                       state=rings + sink, decode_state=dec_cache, forward_flops=flops, forwards=causal.STEPS,
                       chunk_frames=4 * causal.FRAMES_PER_BLOCK, decode_flops=dec_flops * causal.FRAMES_PER_BLOCK,
                       step_state=rings // causal.STEPS + sink,
+                      ring_layer=(rings // causal.STEPS + sink) // p.num_layers,
                       notes=(f"key/value rings {rings / 1e9:.2f} GB ({causal.STEPS} steps x {causal.RING_FRAMES} "
-                             f"latent frames) and the sink {sink / 1e9:.2f} GB stay on the device",))
+                             f"latent frames) and the sink {sink / 1e9:.2f} GB: on the device, or in host memory "
+                             "(runtime.rings)",))
     peak, flops = _clip_forward(p, dtype, lat_h, lat_w)
     latents = CLIP_FRAMES // 4
     dec_peak, dec_flops, dec_cache = _vae_decode(config.vae, lat_h, lat_w, PUT_LATENTS, vae_dtype)

@@ -83,7 +83,7 @@ class CausalCaches:
     @classmethod
     def empty(cls, p: WanDiTParams, lat_h: int, lat_w: int, steps: int = STEPS, ring_frames: int = RING_FRAMES,
               dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-              heads: int | None = None) -> "CausalCaches":
+              heads: int | None = None, pin: bool = False) -> "CausalCaches":
         """Zero rings of ring_frames latent frames at latent size lat_h x lat_w, and an empty sink; `heads` of the
         model's heads (all of them by default; a sequence-parallel rank holds num_heads / W)."""
         ring = ring_frames * frame_tokens(p, lat_h, lat_w)
@@ -93,7 +93,7 @@ class CausalCaches:
         heads = p.num_heads if heads is None else heads
         shape = (steps, p.num_layers, ring, heads, p.head_dim)
         sink = (p.num_layers, 0, heads, p.head_dim)
-        z = dict(dtype=dtype, device=device)
+        z = dict(dtype=dtype, device=device, pin_memory=pin)  # pin: host rings copied to a GPU layer by layer
         return cls(torch.zeros(shape, **z), torch.zeros(shape, **z), torch.zeros(sink, **z), torch.zeros(sink, **z))
 
     @property
@@ -294,11 +294,18 @@ def prefill_sink(model: WanS2VDiT, caches: CausalCaches, ref: torch.Tensor, moti
             attend(block.norm1(x).float() * (1 + mod[1:2]) + mod[0:1])  # only the last layer's keys are needed
         else:
             x = _block(block, x, mod, attend, ctx)  # (1, N, D)
-    caches.sink_k = torch.stack(ks).to(caches.k.dtype)  # (layers, N, h, Dh)
-    caches.sink_v = torch.stack(vs).to(caches.v.dtype)  # (layers, N, h, Dh)
+    caches.sink_k = _beside(torch.stack(ks).to(caches.k.dtype), caches.k)  # (layers, N, h, Dh)
+    caches.sink_v = _beside(torch.stack(vs).to(caches.v.dtype), caches.v)  # (layers, N, h, Dh)
 
 
 @torch.no_grad()
+def _beside(x: torch.Tensor, ring: torch.Tensor) -> torch.Tensor:
+    """x where the rings are: on their device, or in (pinned) host memory with them."""
+    if x.device == ring.device:
+        return x
+    return x.to(ring.device).pin_memory() if ring.is_pinned() else x.to(ring.device)
+
+
 def causal_forward(model: WanS2VDiT, caches: CausalCaches, step: int, x: torch.Tensor, t: torch.Tensor,
                    block_index: int, inputs: BlockInputs, sink_offset: int,
                    cond: torch.Tensor | None = None, exchange: HeadExchange | None = None) -> torch.Tensor:
@@ -363,9 +370,11 @@ def causal_forward(model: WanS2VDiT, caches: CausalCaches, step: int, x: torch.T
             q, k = apply_rope(q, freqs), apply_rope(k, freqs)  # (1, h, L, Dh)
             ring_k[slot:slot + L] = k[0].transpose(0, 1)  # roped, at the absolute position
             ring_v[slot:slot + L] = v[0].transpose(0, 1)
-            sink_k = apply_rope(caches.sink_k[i].transpose(0, 1)[None], sink_freqs)  # (1, h, N_sink, Dh)
-            keys = torch.cat([ring_k[:active].transpose(0, 1)[None], sink_k], dim=2)  # (1, h, active + N_sink, Dh)
-            vals = torch.cat([ring_v[:active], caches.sink_v[i]]).transpose(0, 1)[None]  # (1, h, active + N_sink, Dh)
+            # Rings in host memory (runtime.rings: host): this layer's come in for its attention, as they are.
+            dev = q.device
+            sink_k = apply_rope(caches.sink_k[i].to(dev).transpose(0, 1)[None], sink_freqs)  # (1, h, N_sink, Dh)
+            keys = torch.cat([ring_k[:active].to(dev).transpose(0, 1)[None], sink_k], dim=2)  # (1, h, active+N_sink, Dh)
+            vals = torch.cat([ring_v[:active].to(dev), caches.sink_v[i].to(dev)]).transpose(0, 1)[None]  # (1, h, ., Dh)
             return F.scaled_dot_product_attention(q, keys.to(q.dtype), vals.to(q.dtype))  # (1, h, L, Dh)
 
         h = _block(block, h, mod, lambda u: _self_attention(block, u, L, exchange, ring_attention),

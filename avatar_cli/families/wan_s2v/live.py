@@ -68,6 +68,7 @@ from typing import Any
 import torch
 from torch import nn
 
+
 from avatar_cli.families.base import (AudioSource, Chunk, Family, Final, Geometry, Models, ParallelPlan, RollingState,
                                       Sampling)
 from avatar_cli.families.wan_s2v.audio import SAMPLE_RATE
@@ -242,6 +243,7 @@ class LiveAvatarFamily(WanS2VFamily):
 
     step_pipeline = True
     sink_roll_block = 0  # rolled_sink_frame
+    rings_on_host = False  # runtime.rings as this render resolved it (plan.rings_on_host)
 
     def resume_bytes(self, size: tuple[int, int], steps: int) -> int:
         """The per-step rings at this size (counted on meta), in the DiT's bf16: what a resume point copies."""
@@ -302,12 +304,16 @@ class LiveAvatarFamily(WanS2VFamily):
         for n in ("k", "v"):
             state.tensors.pop(CACHE_PREFIX + n, None)
 
-    @staticmethod
-    def _caches(state: RollingState, dit, steps: int, lat_h: int, lat_w: int, dtype: torch.dtype,
+    def _caches(self, state: RollingState, dit, steps: int, lat_h: int, lat_w: int, dtype: torch.dtype,
                 device: torch.device, sp: SequenceParallelStream | None = None) -> CausalCaches:
         """The caches of the state (empty rings at block 0, or after a resume the saved ones). sp: this rank's heads
-        of them; whole caches in the state (rank 0 after a block, every rank after a resume) are cut to them."""
+        of them; whole caches in the state (rank 0 after a block, every rank after a resume) are cut to them.
+        With `rings_on_host` they live in host memory (pinned where there is a GPU to copy them to)."""
         own = {k[len(CACHE_PREFIX):]: v for k, v in state.tensors.items() if k.startswith(CACHE_PREFIX)}
+        pin = self.rings_on_host and torch.cuda.is_available()
+        if own and self.rings_on_host and own["k"].device.type != "cpu":  # a resumed state, loaded onto the device
+            own = {n: t.cpu().pin_memory() if pin else t.cpu() for n, t in own.items()}
+            state.tensors.update({CACHE_PREFIX + n: t for n, t in own.items()})
         if own:
             caches = CausalCaches.from_tensors(own)
             if sp is not None and caches.k.shape[3] == dit.params.num_heads:
@@ -316,7 +322,8 @@ class LiveAvatarFamily(WanS2VFamily):
             return caches
         if sp is not None:
             return sp.empty_caches(lat_h, lat_w, steps=steps, dtype=dtype, device=device)
-        return CausalCaches.empty(dit.params, lat_h, lat_w, steps=steps, dtype=dtype, device=device)
+        return CausalCaches.empty(dit.params, lat_h, lat_w, steps=steps, dtype=dtype,
+                                  device="cpu" if self.rings_on_host else device, pin=pin)
 
     def keep(self, chunk: Chunk, z: torch.Tensor, state: RollingState, chunking: Any) -> None:
         """Hold the block's latents (all of them are decoded: the decode is causal); block 0 also gives the rolled
