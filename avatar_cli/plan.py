@@ -281,14 +281,15 @@ def _forward_s(b: Budget, m: Machine, util: float, ranks: int, r: RankPlan, size
 
 
 def _speed(b: Budget, m: Machine, util: float, p_split: str, decode: str, ranks: list[RankPlan],
-           sizes: dict[str, ModelBytes], tier: str, rings_host: bool = False) -> dict:
+           sizes: dict[str, ModelBytes], tier: str, rings_at: str = "device") -> dict:
     dit_rank = next(r for r in ranks if "dit" in r.models)
     world = m.gpus if p_split == "sequence" else 1
     fwd, how = _forward_s(b, m, util, world, dit_rank, sizes, tier, m.host_bytes)
-    if rings_host:  # each forward brings its step's ring and the sink in, layer by layer, after the block copies
-        t = b.ring_layer * sizes["dit"].blocks / (m.card.host_gbs * GB)
+    if rings_at != "device":  # each forward brings its step's ring and the sink in, layer by layer
+        rate = m.card.host_gbs if rings_at == "host" else m.disk_gbs  # disk: as if the page cache held none
+        t = b.ring_layer * sizes["dit"].blocks / (rate * GB)
         fwd += t
-        how += f"; rings from host memory {t:.3f} s"
+        how += f"; rings from {'host memory' if rings_at == 'host' else 'disk'} {t:.3f} s"
     # The VAE in float32 runs its convolutions as TF32, half the bf16 rate on these cards; whole on one GPU.
     dec = b.decode_flops / (util * m.card.bf16_tflops / (2 if b.models["vae"].dtype == "float32" else 1) * 1e12)
     video_s = b.chunk_frames / b.fps
@@ -320,17 +321,22 @@ def job_budget(job: Job, source, size: tuple[int, int], dtype: torch.dtype) -> B
                               vae_dtype)
 
 
-def rings_on_host(setting: str, world: int, need: int, free: int | None) -> tuple[bool, str]:
-    """`runtime.rings` -> (in host memory?, why). need: the device bytes of this rank's models and working set with
-    the rings on the device; free: the device's free memory (None: unknown, a CPU). auto: host on one rank where
-    that does not fit, which is cheaper than streaming the DiT's blocks (a forward brings in its step's ring and
-    the sink, 12.5 GB at 704x384, against the blocks' 28 GB), and may spare it."""
+def rings_place(setting: str, world: int, need: int, free: int | None, rings: int, host_free: int | None
+                ) -> tuple[str, str]:
+    """`runtime.rings` -> ("device" | "host" | "disk", why). need: the device bytes of this rank's models and working
+    set with the rings on the device; free: the device's free memory (None: unknown, a CPU); rings: their bytes;
+    host_free: the host's available memory (None: unknown). auto, on one rank where they do not fit the device: host
+    (cheaper than streaming the DiT's blocks: a forward brings in its step's ring and the sink, 12.5 GB at 704x384,
+    against the blocks' 28 GB, and it may spare that), or disk where the host cannot hold them with a quarter to
+    spare (the page cache keeps what it can)."""
     if setting != "auto":
-        return setting == "host", "asked for"
-    if world == 1 and free is not None and need > free:
-        return True, (f"auto: the models and the rings need {need / GB:.1f} GB on the device, {free / GB:.1f} GB "
-                      "is free")
-    return False, "auto: on the device" + (" (several ranks share them out)" if world > 1 else "")
+        return setting, "asked for"
+    if world > 1 or free is None or need <= free:
+        return "device", "auto: on the device" + (" (several ranks share them out)" if world > 1 else "")
+    why = f"auto: the models and the rings need {need / GB:.1f} GB on the device, {free / GB:.1f} GB is free"
+    if host_free is not None and rings + HOST_RESERVE > 0.75 * host_free:
+        return "disk", why + f"; the rings' {rings / GB:.1f} GB crowd the host's {host_free / GB:.1f} GB"
+    return "host", why
 
 
 def working_set(b: Budget, family, split: Split, world: int, rank: int, decode: str,
@@ -342,7 +348,8 @@ def working_set(b: Budget, family, split: Split, world: int, rank: int, decode: 
     rank the decoder cache and the decode's peak. Otherwise: the DiT's rolling state divided by heads over the
     ranks, a forward's activations divided by tokens, and the decode's cache and peak where the decode runs in the
     render process (inline); a decode worker (rank 0's GPU, its own process) holds the decode's models, cache and
-    peak beside. rings_host: the rings and sink wait in host memory (runtime.rings), one layer's at a time here."""
+    peak beside. rings_host: the rings and sink wait off the device (runtime.rings: host or disk), one layer's at
+    a time here."""
     if split == Split.steps:
         return (b.step_state, b.a2v_peak, 0) if rank else (b.decode_state, b.decode_peak, 0)
     inline = decode == "inline"
@@ -364,18 +371,19 @@ def render_working_bytes(p, runtime: Runtime, rank: int, rings_host: bool = Fals
     return sum(working_set(b, source.family, p.parallel, p.world_size, rank, p.decode.value, rings_host))
 
 
-def render_rings(p, runtime: Runtime, free: int | None, skip=()) -> tuple[bool, str] | None:
+def render_rings(p, runtime: Runtime, free: int | None, host_free: int | None, skip=()) -> tuple[str, str] | None:
     """`runtime.rings` for a render of the resolved job `p` on one rank's device with `free` bytes free, as
     `avatar plan` decides it; None where the family keeps no rings (or has no budget to count them)."""
     source, setting = p.model, p.job.spec.runtime.rings.value
-    if source.spec.budget is None or (setting != "host" and (not runtime.is_cuda or p.parallel == Split.steps)):
+    if source.spec.budget is None or (setting in ("auto", "device") and (not runtime.is_cuda
+                                                                         or p.parallel == Split.steps)):
         return None
     b = job_budget(p.job, source, p.gen_size, runtime.dtype)
     if not b.state:
         return None
     models = sum(m.total for n, m in b.models.items() if n not in skip)
     ws = working_set(b, source.family, p.parallel, p.world_size, 0, p.decode.value)
-    return rings_on_host(setting, p.world_size, models + sum(ws), free)
+    return rings_place(setting, p.world_size, models + sum(ws), free, b.state, host_free)
 
 
 def make_plan(job: Job, m: Machine, util: float = 0.4) -> Plan:
@@ -403,7 +411,7 @@ def make_plan(job: Job, m: Machine, util: float = 0.4) -> Plan:
     decode, decode_why = resolve_decode(job, family, runtime, split)
     free = m.usable
     ranks, layouts = [], []
-    rings_host, rings_why = False, ""
+    rings_at, rings_host, rings_why = "device", False, ""
     if split == Split.steps:
         for role, rank, count in (("a step rank", 1, m.gpus - 1), ("the decode rank", 0, 1)):
             keep = {n: s for n, s in loaded.items() if n not in rank_skips(family, rank)}
@@ -413,21 +421,23 @@ def make_plan(job: Job, m: Machine, util: float = 0.4) -> Plan:
     else:  # rank 0 is the fullest (a decode worker shares its GPU): every rank is planned as it
         ws = working_set(b, family, split, m.gpus, 0, decode)
         # Where the rings wait, decided before the layout as a render decides it (runner.py).
-        rings_host, rings_why = rings_on_host(rt.rings.value, m.gpus, sum(s.total for s in loaded.values()) + sum(ws),
-                                              free) if b.state else (False, "")
+        rings_at, rings_why = rings_place(rt.rings.value, m.gpus, sum(s.total for s in loaded.values()) + sum(ws),
+                                          free, b.state, m.host_bytes) if b.state else ("device", "")
+        rings_host = rings_at != "device"
         r, lay = _rank("every rank" if m.gpus > 1 else "the GPU", m.gpus, loaded, job, family, m.gpus, free,
                        *working_set(b, family, split, m.gpus, 0, decode, rings_host))
         ranks.append(r)
         layouts.append(lay)
-    tier, tier_why = _host_tier(job, m, ranks, loaded, source, layouts, b.state if rings_host else 0)
-    if rings_host:
-        ranks[0].host_bytes += b.state  # pinned
+    tier, tier_why = _host_tier(job, m, ranks, loaded, source, layouts, b.state if rings_at == "host" else 0)
+    if rings_at != "device":
+        ranks[0].host_bytes += b.state if rings_at == "host" else b.sink  # pinned; or the sink beside the file
     gpu = max(r.gpu_bytes for r in ranks)
     host = sum(r.host_bytes * r.count for r in ranks) + int(HOST_RESERVE)
-    speed = _speed(b, m, util, split.value, decode, ranks, loaded, tier, rings_host)
+    speed = _speed(b, m, util, split.value, decode, ranks, loaded, tier, rings_at)
     notes = list(b.notes)
     if rings_host:
-        notes.append(f"runtime.rings: host ({rings_why}): {b.state / GB:.1f} GB in pinned host memory, "
+        where = "pinned host memory" if rings_at == "host" else "a memory-mapped scratch file (the page cache)"
+        notes.append(f"runtime.rings: {rings_at} ({rings_why}): {b.state / GB:.1f} GB in {where}, "
                      f"{b.ring_layer / GB:.2f} GB brought in per layer")
     if text == "cache" and text_names:
         t = sum(b.models[n].total for n in text_names)

@@ -177,7 +177,7 @@ def _working_bytes(p: ResolvedJob, runtime: Runtime, dist: Dist, models: ModelCa
     rt = p.job.spec.runtime
     if not (runtime.is_cuda or models.transfer is not None) or "auto" not in (rt.offload.value, rt.shard.value):
         return None
-    working = render_working_bytes(p, runtime, dist.rank, p.model.family.rings_on_host)
+    working = render_working_bytes(p, runtime, dist.rank, p.model.family.rings_at != "device")
     if working is not None:
         log.info("placement: %.1f GB kept free for state and activations (counted on the meta device)",
                  working / 1e9)
@@ -216,13 +216,17 @@ def place_rings(p: ResolvedJob, runtime: Runtime, skip: Collection[str] = ()) ->
     are exit 2 now, not an allocation failure blocks later."""
     family = p.model.family
     free = torch.cuda.mem_get_info(runtime.device)[0] if runtime.is_cuda else None
-    got = render_rings(p, runtime, free, skip)
-    family.rings_on_host = bool(got and got[0])
-    if family.rings_on_host:
-        need, avail = family.resume_bytes(p.gen_size, p.job.spec.sampling.steps), host_available()
+    avail = host_available()
+    got = render_rings(p, runtime, free, avail, skip)
+    family.rings_at = got[0] if got is not None else "device"
+    # A scratch file beside the output (a stream's: in the working folder), on its disk, not a RAM-backed /tmp.
+    out = p.job.output
+    family.rings_folder = out.parent if isinstance(out, Path) and not p.job.live else Path.cwd()
+    if family.rings_at == "host":
+        need = family.resume_bytes(p.gen_size, p.job.spec.sampling.steps)
         if avail is not None and need > avail:
             raise InputError(f"runtime.rings: host: the key/value rings need {need / 1e9:.1f} GB of host memory, "
-                             f"{avail / 1e9:.1f} GB is available (`avatar plan` counts what a machine needs)")
+                             f"{avail / 1e9:.1f} GB is available (runtime.rings: disk keeps them in a file)")
     return got[1] if got is not None else None
 
 
@@ -350,7 +354,7 @@ def _render_locked(p: ResolvedJob, reporter: Reporter, models: ModelCache | None
     absent = rank_skips(p.model.family, dist.rank) if steps else set()
     rings_why = place_rings(p, runtime, {*prompt_cache.skipped(prompts, spec.prompt), *absent})
     if main and rings_why is not None:
-        reporter.info(f"rings: {'host' if p.model.family.rings_on_host else 'device'} ({rings_why})")
+        reporter.info(f"rings: {p.model.family.rings_at} ({rings_why})")
     models = models or ModelCache()
     modules, placement = models.get(p.model, runtime, Dist() if steps else dist, spec.runtime, reporter,
                                     skip={*prompt_cache.skipped(prompts, spec.prompt), *absent},

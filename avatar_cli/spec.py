@@ -61,6 +61,7 @@ class Rings(str, Enum):
     auto = "auto"
     device = "device"
     host = "host"
+    disk = "disk"
 
 
 class Parallel(str, Enum):
@@ -154,8 +155,9 @@ class RuntimeSpec:
     # copies fit the host's available memory, else mmap.
     offload_host: OffloadHost = OffloadHost.auto
     # The wan-s2v streaming mode's key/value rings and sink (41.5 + 2.2 GB at 704x384): device | host (pinned host
-    # memory, each layer's brought in for its attention: one rank only) | auto: host where the DiT's blocks are
-    # streamed (runtime.offload: block on one GPU), else on the device.
+    # memory, each layer's brought in for its attention: one rank only) | disk (a memory-mapped scratch file beside
+    # the output, for a host too small to hold them) | auto: on the device where they fit beside the models, else
+    # host where the host holds them, else disk (as `avatar plan` counts it).
     rings: Rings = Rings.auto
     reshard: Reshard = Reshard.per_block  # several GPUs: FSDP2 reshards after each block, or after each stage
     shard: Shard = Shard.auto  # several GPUs: shard the big models (FSDP2) or replicate them; auto: from memory

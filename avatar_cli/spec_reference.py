@@ -74,7 +74,7 @@ COMMENTS = {
     "runtime.threads": "torch CPU threads; 0 = one per core",
     "runtime.offload": "GPU: auto | none | model | block (where idle models wait: pinned host memory)",
     "runtime.offload_host": "offload block: auto | pinned | mmap (blocks in pinned copies, or the mapped checkpoint)",
-    "runtime.rings": "wan-s2v streaming: auto | device | host (the key/value rings in pinned host memory)",
+    "runtime.rings": "wan-s2v streaming: auto | device | host | disk (where the key/value rings wait)",
     "runtime.reshard": "several GPUs (FSDP2): per_block (least memory) | per_stage (fewer all-gathers)",
     "runtime.shard": "several GPUs: auto | shard | replicate the big models (auto: replicas where they fit)",
     "runtime.weights": "bf16 (the runtime dtype) | fp8 | int8: the DiT's block Linears in 1 byte (docs/speed.md)",

@@ -107,7 +107,7 @@ CHOICES = [("video.codec", "h265", "auto, libx264, h264_nvenc"), ("runtime.devic
            ("runtime.weights", "int4", "bf16, fp8, int8"),
            ("runtime.offload_host", "disk", "auto, pinned, mmap"),
            ("runtime.vae_dtype", "float16", "auto, float32, bfloat16"),
-           ("runtime.rings", "disk", "auto, device, host")]
+           ("runtime.rings", "tape", "auto, device, host, disk")]
 
 
 def test_choices_cover_every_enum_key():

@@ -254,6 +254,11 @@ def test_streaming_mode_from_the_job_spec(one_rank, tmp_path: Path):
     assert host.returncode == 0, host.stderr
     assert events(host.stdout)[-1]["frames_digest"] == events(result.stdout)[-1]["frames_digest"]
     assert host.stderr.count("rings: host (asked for)") == 1
+    disk = cli("render", job, "mode=streaming", "runtime.rings=disk", "-o", str(tmp_path / "disk.mp4"), "--json")
+    assert disk.returncode == 0, disk.stderr
+    assert events(disk.stdout)[-1]["frames_digest"] == events(result.stdout)[-1]["frames_digest"]
+    assert "rings: disk (asked for)" in disk.stderr
+    assert not list(tmp_path.glob(".avatar-rings-*"))  # the scratch file's name is gone
     from avatar_cli.errors import InputError
     from avatar_cli.job import resolve
     from avatar_cli.spec import load_job

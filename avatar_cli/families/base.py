@@ -19,6 +19,7 @@ is its own business, and all of it is saved in resume checkpoints, so a resumed 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from enum import Enum
 from typing import Any, ClassVar, Protocol
 
@@ -166,7 +167,8 @@ class Family(ABC):
     copying the next step's in) around it. A step a family does not have (no super-resolution) needs ().
     """
 
-    rings_on_host = False  # where key/value rings wait, for a family that keeps some (runtime.rings)
+    rings_at = "device"  # where key/value rings wait, for a family that keeps some (runtime.rings): device | host | disk
+    rings_folder: Path | None = None  # runtime.rings: disk: where their scratch file goes
 
     name: ClassVar[str]
     needs: ClassVar[Mapping[Step, tuple[str, ...]]]  # step -> the components it runs (every Step a key)

@@ -56,4 +56,5 @@ class Budget:
     decode_flops: float
     step_state: int = 0
     ring_layer: int = 0  # one layer's ring and sink, brought in for one forward where they wait in host memory
+    sink: int = 0  # of `state`, the sink (in host memory when the rings wait in a file)
     notes: tuple[str, ...] = field(default=())

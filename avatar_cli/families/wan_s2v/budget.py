@@ -160,7 +160,7 @@ def budget(config, mode: str, size: tuple[int, int], dtype: torch.dtype, steps: 
                       state=rings + sink, decode_state=dec_cache, forward_flops=flops, forwards=causal.STEPS,
                       chunk_frames=4 * causal.FRAMES_PER_BLOCK, decode_flops=dec_flops * causal.FRAMES_PER_BLOCK,
                       step_state=rings // causal.STEPS + sink,
-                      ring_layer=(rings // causal.STEPS + sink) // p.num_layers,
+                      ring_layer=(rings // causal.STEPS + sink) // p.num_layers, sink=sink,
                       notes=(f"key/value rings {rings / 1e9:.2f} GB ({causal.STEPS} steps x {causal.RING_FRAMES} "
                              f"latent frames) and the sink {sink / 1e9:.2f} GB: on the device, or in host memory "
                              "(runtime.rings)",))

@@ -41,8 +41,12 @@ rows of the forward's tokens and attends with its share of the heads, which are 
 (None) one rank does everything, as above.
 """
 
+import math
+import os
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -83,7 +87,7 @@ class CausalCaches:
     @classmethod
     def empty(cls, p: WanDiTParams, lat_h: int, lat_w: int, steps: int = STEPS, ring_frames: int = RING_FRAMES,
               dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-              heads: int | None = None, pin: bool = False) -> "CausalCaches":
+              heads: int | None = None, pin: bool = False, folder: Path | None = None) -> "CausalCaches":
         """Zero rings of ring_frames latent frames at latent size lat_h x lat_w, and an empty sink; `heads` of the
         model's heads (all of them by default; a sequence-parallel rank holds num_heads / W)."""
         ring = ring_frames * frame_tokens(p, lat_h, lat_w)
@@ -94,6 +98,9 @@ class CausalCaches:
         shape = (steps, p.num_layers, ring, heads, p.head_dim)
         sink = (p.num_layers, 0, heads, p.head_dim)
         z = dict(dtype=dtype, device=device, pin_memory=pin)  # pin: host rings copied to a GPU layer by layer
+        if folder is not None:  # the rings in a scratch file (runtime.rings: disk)
+            k, v = mapped_zeros(shape, dtype, folder), mapped_zeros(shape, dtype, folder)
+            return cls(k, v, torch.zeros(sink, **z), torch.zeros(sink, **z))
         return cls(torch.zeros(shape, **z), torch.zeros(shape, **z), torch.zeros(sink, **z), torch.zeros(sink, **z))
 
     @property
@@ -299,6 +306,27 @@ def prefill_sink(model: WanS2VDiT, caches: CausalCaches, ref: torch.Tensor, moti
 
 
 @torch.no_grad()
+def mapped_zeros(shape: tuple[int, ...], dtype: torch.dtype, folder: Path) -> torch.Tensor:
+    """A zero CPU tensor backed by a scratch file in `folder`, mapped shared: the page cache holds what it can and
+    the kernel writes the rest back to the file, so a host with less memory than the rings holds them. The file's
+    name is removed at once (nothing is left behind); its blocks are freed when the tensor is."""
+    fd, name = tempfile.mkstemp(prefix=".avatar-rings-", dir=folder)
+    try:
+        n = math.prod(shape)
+        os.ftruncate(fd, n * torch.empty(0, dtype=dtype).element_size())  # sparse: zeros, no disk written yet
+        return torch.from_file(name, shared=True, size=n, dtype=dtype).view(shape)
+    finally:
+        os.close(fd)
+        os.unlink(name)
+
+
+def mapped_copy(x: torch.Tensor, folder: Path) -> torch.Tensor:
+    """x in a scratch file in `folder` (mapped_zeros), e.g. resumed rings."""
+    out = mapped_zeros(tuple(x.shape), x.dtype, folder)
+    out.copy_(x)
+    return out
+
+
 def _beside(x: torch.Tensor, ring: torch.Tensor) -> torch.Tensor:
     """x where the rings are: on their device, or in (pinned) host memory with them."""
     if x.device == ring.device:

@@ -73,7 +73,7 @@ from avatar_cli.families.base import (AudioSource, Chunk, Family, Final, Geometr
                                       Sampling)
 from avatar_cli.families.wan_s2v.audio import SAMPLE_RATE
 from avatar_cli.families.wan_s2v.causal import (FRAMES_PER_BLOCK, RING_FRAMES, SINK_OFFSET_RANGE, CausalCaches,
-                                                block_inputs, euler_step, prefill_sink)
+                                                block_inputs, euler_step, mapped_copy, prefill_sink)
 from avatar_cli.families.wan_s2v.family import (LEAD, NATIVE_FPS, QUANTIZED, WanS2VFamily, _cache_from, _cache_to,
                                                 size_less_than_area)
 from avatar_cli.families.wan_s2v.live_parallel import SequenceParallelStream
@@ -243,7 +243,6 @@ class LiveAvatarFamily(WanS2VFamily):
 
     step_pipeline = True
     sink_roll_block = 0  # rolled_sink_frame
-    rings_on_host = False  # runtime.rings as this render resolved it (plan.rings_on_host)
 
     def resume_bytes(self, size: tuple[int, int], steps: int) -> int:
         """The per-step rings at this size (counted on meta), in the DiT's bf16: what a resume point copies."""
@@ -308,11 +307,16 @@ class LiveAvatarFamily(WanS2VFamily):
                 device: torch.device, sp: SequenceParallelStream | None = None) -> CausalCaches:
         """The caches of the state (empty rings at block 0, or after a resume the saved ones). sp: this rank's heads
         of them; whole caches in the state (rank 0 after a block, every rank after a resume) are cut to them.
-        With `rings_on_host` they live in host memory (pinned where there is a GPU to copy them to)."""
+        `rings_at` host: they live in host memory (pinned where there is a GPU to copy them to); disk: in a
+        memory-mapped scratch file in `rings_folder` (causal.py mapped_zeros)."""
         own = {k[len(CACHE_PREFIX):]: v for k, v in state.tensors.items() if k.startswith(CACHE_PREFIX)}
-        pin = self.rings_on_host and torch.cuda.is_available()
-        if own and self.rings_on_host and own["k"].device.type != "cpu":  # a resumed state, loaded onto the device
-            own = {n: t.cpu().pin_memory() if pin else t.cpu() for n, t in own.items()}
+        off = self.rings_at != "device"
+        pin = self.rings_at == "host" and torch.cuda.is_available()
+        if own and off and own["k"].device.type != "cpu":  # a resumed state, loaded onto the device
+            if self.rings_at == "disk":
+                own = {n: mapped_copy(t, self.rings_folder) if n in ("k", "v") else t.cpu() for n, t in own.items()}
+            else:
+                own = {n: t.cpu().pin_memory() if pin else t.cpu() for n, t in own.items()}
             state.tensors.update({CACHE_PREFIX + n: t for n, t in own.items()})
         if own:
             caches = CausalCaches.from_tensors(own)
@@ -322,8 +326,11 @@ class LiveAvatarFamily(WanS2VFamily):
             return caches
         if sp is not None:
             return sp.empty_caches(lat_h, lat_w, steps=steps, dtype=dtype, device=device)
+        if self.rings_at == "disk":
+            return CausalCaches.empty(dit.params, lat_h, lat_w, steps=steps, dtype=dtype, device="cpu",
+                                      folder=self.rings_folder)
         return CausalCaches.empty(dit.params, lat_h, lat_w, steps=steps, dtype=dtype,
-                                  device="cpu" if self.rings_on_host else device, pin=pin)
+                                  device="cpu" if off else device, pin=pin)
 
     def keep(self, chunk: Chunk, z: torch.Tensor, state: RollingState, chunking: Any) -> None:
         """Hold the block's latents (all of them are decoded: the decode is causal); block 0 also gives the rolled
