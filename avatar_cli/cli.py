@@ -321,6 +321,8 @@ def serve_text(
     port: Annotated[int, typer.Option("--port", help="Port (0: a free one, said at start).")] = 8765,
     dtype: Annotated[str, typer.Option("--dtype", help="auto, float32 or bfloat16 (jobs must run the same).")] = "auto",
     device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")] = "auto",
+    weights: Annotated[str, typer.Option("--weights", help="bf16, fp8 or int8: the encoder's weights, as "
+                                         "runtime.weights (jobs must run the same).")] = "bf16",
     threads: Annotated[int, typer.Option("--threads", help="CPU threads of the encoder (0: one per core; a small "
                                          "encoder answers faster with 1).")] = 0,
     max_request_bytes: Annotated[int, typer.Option("--max-request-bytes", help="Larger requests get 413.")] = 65536,
@@ -339,7 +341,8 @@ def serve_text(
             from avatar_cli.service import INSTALL_HINT
 
             raise InputError(f"avatar serve text needs {e.name}, which is not installed: {INSTALL_HINT}") from None
-        serve(model, host, port, dtype, device, threads, max_request_bytes, token_file, reporter.info, dict(os.environ))
+        serve(model, host, port, dtype, device, threads, max_request_bytes, token_file, reporter.info, dict(os.environ),
+              weights)
 
     _run(action, False, debug)
 

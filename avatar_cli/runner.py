@@ -347,7 +347,8 @@ def _render_locked(p: ResolvedJob, reporter: Reporter, models: ModelCache | None
 
     # A prompt found in the text cache: its encoder is neither loaded nor placed.
     prompts = prompt_cache.job_prompts(spec.runtime.text_cache, p.job.path.parent, p.model, runtime.dtype,
-                                     reporter.info, write=main, service=spec.runtime.text_service)
+                                     reporter.info, write=main, service=spec.runtime.text_service,
+                                     weights=spec.runtime.weights.value)
     cached = prompt_cache.ready(prompts, spec.prompt, runtime.device, dist)
     # The timestep pipeline: each rank loads what its role runs and places it alone (nothing is sharded).
     steps = p.parallel == Split.steps

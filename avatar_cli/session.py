@@ -183,7 +183,8 @@ def run_session(p: ResolvedJob, reporter: Reporter, models: ModelCache | None = 
         clock = _Clock(sinks[0] if len(sinks) == 1 else _Tee(sinks)) if main else None
 
         prompts = prompt_cache.job_prompts(spec.runtime.text_cache, job.path.parent, p.model, runtime.dtype,
-                                           reporter.info, write=main, service=spec.runtime.text_service)
+                                           reporter.info, write=main, service=spec.runtime.text_service,
+                                           weights=spec.runtime.weights.value)
         prompt_cache.ready(prompts, spec.prompt, runtime.device, dist)
         # The timestep pipeline: each rank loads what its role runs and places it alone (nothing is sharded).
         absent = rank_skips(family, dist.rank) if steps else set()

@@ -161,9 +161,10 @@ class RuntimeSpec:
     rings: Rings = Rings.auto
     reshard: Reshard = Reshard.per_block  # several GPUs: FSDP2 reshards after each block, or after each stage
     shard: Shard = Shard.auto  # several GPUs: shard the big models (FSDP2) or replicate them; auto: from memory
-    # The DiT's weights in memory: bf16 = in the runtime dtype (`dtype`), as loaded; fp8 | int8 = the Linears of its
-    # transformer blocks quantized at load, weight-only (1 byte a parameter plus a scale per output channel,
-    # dequantized layer by layer in the forward; torchao): about half the memory. runtime/quantize.py.
+    # The DiT's (and wan-s2v's umT5's) weights in memory: bf16 = in the runtime dtype (`dtype`), as loaded; fp8 | int8
+    # = the Linears of their transformer blocks quantized at load, weight-only (1 byte a parameter plus a scale per
+    # output channel, dequantized layer by layer in the forward; torchao): about half the memory; a quantized
+    # encoder's prompt encodings are cached apart. runtime/quantize.py.
     weights: Weights = Weights.bf16
     # The VAE (encode and decode): auto = the family's choice (wan-s2v: float32, as the official code; mini: the
     # runtime dtype) | float32 | bfloat16: about half the decode's memory peak, its error in docs/wan-s2v.md.

@@ -77,7 +77,7 @@ COMMENTS = {
     "runtime.rings": "wan-s2v streaming: auto | device | host | disk (where the key/value rings wait)",
     "runtime.reshard": "several GPUs (FSDP2): per_block (least memory) | per_stage (fewer all-gathers)",
     "runtime.shard": "several GPUs: auto | shard | replicate the big models (auto: replicas where they fit)",
-    "runtime.weights": "bf16 (the runtime dtype) | fp8 | int8: the DiT's block Linears in 1 byte (docs/speed.md)",
+    "runtime.weights": "bf16 (the runtime dtype) | fp8 | int8: DiT and umT5 block Linears in 1 byte (docs/speed.md)",
     "runtime.vae_dtype": "auto (the family's: wan-s2v float32) | float32 | bfloat16 (half the decode's memory; "
                          "docs/wan-s2v.md)",
     "runtime.text_cache": "prompt encodings kept for reuse: auto (the user cache folder) | off | a folder "

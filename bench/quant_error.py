@@ -6,10 +6,12 @@
   avatar's render with quantized weights against the official latents and frames;
 - whole renders of the tiny random model (2 s, 4 steps, 64x64, lossless video) in the clip and the streaming mode,
   against the same render with unquantized float32 weights: mean and max |diff| of the frames in 8-bit levels.
-And the bytes of the DiT at full size (the 14B release's sizes, counted on the meta device), and the time this host
-takes to quantize one of its FFN Linears (5120 -> 13824, bf16).
+- umT5's prompt encodings (the tiny random wan-s2v model's, two prompts and the negative prompt) with quantized
+  weights against the unquantized encoder's, relative L2 (bf16 activations against float32, for scale);
+And the bytes of the DiT and umT5 at full size (the 14B release's sizes, counted on the meta device), and the time
+this host takes to quantize one of the DiT's FFN Linears (5120 -> 13824, bf16).
 
-    python bench/quant_error.py
+    python bench/quant_error.py [SECTION ...]   (dit, official, renders, text, bytes, speed; default: all)
 
 The tiny models' weights are random: this says how the rounding behaves through the architecture, not what it does
 to the released weights (bench/gpu_check.py --sections weights measures the full-size forward on a GPU)."""
@@ -158,11 +160,50 @@ def official_errors(folder: Path, formats: tuple[str, ...]) -> dict[str, dict[st
     return out
 
 
+TEXT_PROMPTS = ("a person talking", "a woman smiling warmly at the camera, speaking")
+
+
+@torch.no_grad()
+def text_encodings(model_dir: Path, dtype: str, weights: str) -> dict[str, torch.Tensor]:
+    """The tiny wan-s2v model's umT5 encodings of TEXT_PROMPTS (and of its negative prompt), loaded and placed with
+    runtime.weights as a render does, on the CPU in `dtype` -> {"PROMPT-INDEX.text" / ".negative": (L, dim)}."""
+    from avatar_cli.prompts.encode import load_prompt_step
+    from avatar_cli.runtime.device import resolve_runtime
+
+    source = registry.resolve_model(str(model_dir), model_dir.parent)
+    runtime = resolve_runtime("cpu", dtype)
+    models = load_prompt_step(source, runtime, weights)
+    out = {}
+    for i, prompt in enumerate(TEXT_PROMPTS):
+        for name, t in source.family.prompt(models, prompt, runtime.device, runtime.dtype).items():
+            out[f"{i}.{name}"] = t.float()
+    return out
+
+
+def text_errors() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        wan = Path(tmp) / "wan"
+        registry.init_family_dir(wan, "tiny", seed=0, family="wan-s2v")
+        ref = text_encodings(wan, "float32", "bf16")
+        names = " / ".join(ref)
+        print(f"\n| umT5 activations | weights | rel. L2 vs float32 unquantized: {names} |\n|---|---|---|")
+        for dtype, weights in (("bfloat16", "bf16"), ("float32", "int8"), ("float32", "fp8"), ("bfloat16", "int8"),
+                               ("bfloat16", "fp8")):
+            got = text_encodings(wan, dtype, weights)
+            errs = " / ".join(f"{rel_l2(got[k], ref[k]):.2e}" for k in ref)
+            print(f"| {dtype} | {weights if weights != 'bf16' else 'runtime dtype'} | {errs} |")
+
+
 def full_size_bytes() -> None:
+    from avatar_cli.families.wan_s2v.components import UMT5Text
+    from avatar_cli.families.wan_s2v.text import UMT5_XXL
+
     meta = build_meta(WanS2VDiT, WanDiTParams.full())
-    print("\n| DiT weights at full size | GB |\n|---|---|")
+    t5 = build_meta(UMT5Text, UMT5_XXL)
+    print("\n| weights at full size | DiT GB | umT5 GB |\n|---|---|---|")
     for weights in ("bf16", "int8", "fp8"):
-        print(f"| {weights} | {quantized_bytes(meta, weights, PATHS, torch.bfloat16) / 1e9:.3f} |")
+        print(f"| {weights} | {quantized_bytes(meta, weights, PATHS, torch.bfloat16) / 1e9:.3f} | "
+              f"{quantized_bytes(t5, weights, dict(QUANTIZED)['text'], torch.bfloat16) / 1e9:.3f} |")
 
 
 def quantize_speed() -> None:
@@ -180,16 +221,28 @@ def quantize_speed() -> None:
         print(f"| {weights} ({torch.get_num_threads()}) | {dt:.2f} | {dt * 15_309_209_600 / layer.weight.numel():.0f} |")
 
 
-if __name__ == "__main__":
-    torch.set_num_threads(1)
-    dit_errors()
+def official_table() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         print("\n| weights | latents rel. L2, clip 0 / clip 1 | clip 0 frames mean / max \\|diff\\| (in [-1, 1]) |"
               "\n|---|---|---|")
         for weights, e in official_errors(Path(tmp), ("bf16", "int8", "fp8")).items():
             print(f"| {weights} | {e['latents_0']:.2e} / {e['latents_1']:.2e} | {e['frames_0_mean']:.2e} / "
                   f"{e['frames_0_max']:.2e} |")
-    render_errors()
-    full_size_bytes()
+
+
+def speed() -> None:
     torch.set_num_threads(os.cpu_count() or 1)  # a load uses every core
     quantize_speed()
+
+
+SECTIONS = {"dit": dit_errors, "official": official_table, "renders": render_errors, "text": text_errors,
+            "bytes": full_size_bytes, "speed": speed}
+
+if __name__ == "__main__":
+    chosen = sys.argv[1:] or list(SECTIONS)
+    unknown = [c for c in chosen if c not in SECTIONS]
+    if unknown:
+        sys.exit(f"unknown section(s) {', '.join(unknown)}: choose from {', '.join(SECTIONS)}")
+    torch.set_num_threads(1)
+    for name in chosen:
+        SECTIONS[name]()

@@ -13,7 +13,7 @@ from avatar_cli.runtime.quantize import (component_bytes, fp8_weight, linears_un
                                          quantized_bytes, tensor_bytes)
 
 DIT_PATHS = dict(QUANTIZED)["dit"]
-T5_PATHS = ("blocks",)  # umT5's layers, were it quantized (the family keeps it whole: its encodings are cached)
+T5_PATHS = dict(QUANTIZED)["text"]  # umT5's 24 layers
 
 
 @pytest.fixture(scope="module")
@@ -50,14 +50,28 @@ def test_dit_bytes_at_full_size(full_dit):
 
 
 def test_text_encoder_bytes_at_full_size():
+    """umT5-XXL under runtime.weights: its 24 layers' 7 Linears in 1 byte, the rest (the tied token embedding,
+    the relative-position tables, the norms) in bf16; the count from the module tree and from the shape alone."""
+    from avatar_cli.families.wan_s2v.budget import _t5_bytes
+
     t5 = build_meta(UMT5Text, UMT5_XXL)
     layers = linears_under(t5, T5_PATHS)
     assert len(layers) == 24 * 7  # q, k, v, o, wi_0, wi_1, wo per layer
+    assert all(n.startswith("model.encoder.block.") for n in layers)
+    assert not any(isinstance(m, nn.Linear) for n, m in t5.named_modules() if not n.startswith("model.encoder.block."))
     bf16 = component_bytes(t5, T5_PATHS, "bf16", torch.bfloat16)
-    fp8 = component_bytes(t5, T5_PATHS, "fp8", torch.bfloat16)
-    assert fp8 == _expected(t5, T5_PATHS, "fp8")
-    assert component_bytes(t5, None, "fp8", torch.bfloat16) == bf16  # a component the family keeps whole
-    assert 0.55 < fp8 / bf16 < 0.65  # the 1 B-parameter token embedding stays bf16
+    p = UMT5_XXL
+    d, f, n = p.dim, p.ffn_dim, p.num_layers
+    linear = n * (4 * d * d + 3 * d * f)  # parameters in the quantized Linears: 4.63 B of 5.68 B
+    rows = n * (4 * d + 2 * f + d)  # their output channels, one scale each
+    rest = p.vocab_size * d + n * (p.num_buckets * p.num_heads + 2 * d) + d  # embedding (tied), tables, norms
+    assert linear == 4_630_511_616 and bf16 == 2 * (linear + rest) == 11_361_820_672
+    for weights, per_row in (("int8", 4 + 1), ("fp8", 4)):  # a float32 scale (and int8's int8 zero point) per row
+        q = component_bytes(t5, T5_PATHS, weights, torch.bfloat16)
+        assert q == _expected(t5, T5_PATHS, weights) == linear + per_row * rows + 2 * rest, weights
+        assert _t5_bytes(p, torch.bfloat16, weights, T5_PATHS).total == q  # what `avatar plan` counts
+        assert 0.59 < q / bf16 < 0.60  # 6.74 GB of 11.36: the 1 B-parameter token embedding stays bf16
+    assert component_bytes(t5, None, "fp8", torch.bfloat16) == bf16  # a component a family keeps whole
 
 
 def test_meta_model_is_not_changed(full_dit):

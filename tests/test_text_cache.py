@@ -278,3 +278,70 @@ def test_two_ranks_agree_on_a_cached_prompt(jobs, tiny_model):
     two = json.loads(r.stdout.splitlines()[-1])
     assert (one["text_cache"], two["text_cache"], two["ranks"]) == ("miss", "hit", 2)
     assert two["frames_digest"] == one["frames_digest"]
+
+
+# --- runtime.weights: a quantized umT5's encodings are entries of their own -----------------------------------------
+
+def write_wan_job(folder: Path, model: Path) -> Path:
+    path = folder / "wan.yaml"
+    path.write_text(f"reference: ref.png\naudio: speech.wav\noutput: out/wan.mp4\nmodel: {model}\n"
+                    "prompt: a person talking\nseed: 3\nvideo: {width: 64, height: 64, crf: 0}\nsampling: {steps: 4}\n"
+                    "runtime: {text_cache: cache, dtype: float32, threads: 1, decode: inline}\n")
+    return path
+
+
+def test_quantized_encoder_entries_sit_beside_bf16_ones(jobs):
+    """wan-s2v quantizes umT5 under runtime.weights: int8 | fp8: `avatar prompts encode` (and a render) keys its
+    encodings by the format, so the cache holds them beside the bf16 one and no job reads another format's entry;
+    a bf16 key is the one the cache always had, and mini (whose text encoder is never quantized) shares its entries
+    across formats."""
+    from avatar_cli.prompts.encode import fill, load_prompt_step
+    from avatar_cli.prompts.identity import identity
+    from avatar_cli.runtime.device import resolve_runtime
+
+    wan = jobs / "wan"
+    init_family_dir(wan, "tiny", family="wan-s2v")
+    job, folder, prompt = write_wan_job(jobs, wan), jobs / "cache", "a person talking"
+    source = resolve_model(str(wan), jobs)
+    caches = {w: PromptCache(TextCache(folder), source, torch.float32, weights=w) for w in ("bf16", "int8", "fp8")}
+    assert {w: c.key(prompt).dtype for w, c in caches.items()} == \
+        {"bf16": "float32", "int8": "float32+int8", "fp8": "float32+fp8"}
+    assert caches["bf16"].key(prompt) == EntryKey("wan-s2v", *identity(source)[:2], prompt, identity(source)[2],
+                                                  "float32")  # as before: existing entries stay valid
+
+    # int8 first, then bf16: the bf16 job does not take the int8 entry; int8 again hits its own; fp8 is a third.
+    reports = [fill([job], [f"runtime.weights={w}"], lambda _: None) for w in ("int8", "bf16", "int8", "fp8")]
+    assert [(r.new, r.cached, r.bad) for r in reports] == [(1, 0, []), (1, 0, []), (0, 1, []), (1, 0, [])]
+    assert len(list(folder.glob("*.safetensors"))) == 3
+    runtime, cpu = resolve_runtime("cpu", "float32"), torch.device("cpu")
+    for w in ("bf16", "int8"):  # each entry is its own encoder's output, bit for bit
+        with torch.no_grad():
+            made = source.family.prompt(load_prompt_step(source, runtime, w), prompt, cpu, torch.float32)
+        fresh = PromptCache(TextCache(folder), source, torch.float32, weights=w)
+        assert fresh.lookup(prompt, cpu) and all(torch.equal(fresh.known[prompt][k], made[k]) for k in made)
+    a, b = (PromptCache(TextCache(folder), source, torch.float32, weights=w) for w in ("bf16", "int8"))
+    a.lookup(prompt, cpu), b.lookup(prompt, cpu)
+    assert not torch.equal(a.known[prompt]["text"], b.known[prompt]["text"])
+
+    mini = resolve_model("mini", jobs)
+    assert PromptCache(TextCache(folder), mini, torch.float32, weights="int8").key(prompt) == \
+        PromptCache(TextCache(folder), mini, torch.float32, weights="bf16").key(prompt)
+
+
+def test_render_with_int8_weights_keys_its_prompt_by_them(jobs):
+    """A render with runtime.weights: int8 writes and reads the int8 entry; a bf16 render of the same job misses it."""
+    wan = jobs / "wan"
+    init_family_dir(wan, "tiny", family="wan-s2v")
+    job = write_wan_job(jobs, wan)
+    runs = [runner.render(runner.prepare(load_job(job, [f"runtime.weights={w}"]), force=True), Notes())
+            for w in ("int8", "bf16", "int8")]
+    assert [r["text_cache"] for r in runs] == ["miss", "miss", "hit"]
+    assert runs[0]["frames_digest"] == runs[2]["frames_digest"] != runs[1]["frames_digest"]
+    metas = sorted(store_meta(p)["dtype"] for p in (jobs / "cache").glob("*.safetensors"))
+    assert metas == ["float32", "float32+int8"]
+
+
+def store_meta(path: Path) -> dict[str, str]:
+    from avatar_cli.prompts.entry import metadata
+
+    return metadata(path.read_bytes())

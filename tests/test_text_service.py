@@ -4,6 +4,7 @@ and exit 1 during a render (or a fallback with a note), bad requests get a 4xx w
 and 8 clients' load leaves its memory flat."""
 
 import json
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -89,7 +90,7 @@ def test_service_encoding_equals_local_bit_for_bit(service, tiny_model, tmp_path
         tensors, device = client.encode(key)
     source = resolve_model(str(tiny_model), tiny_model.parent)
     with torch.no_grad():
-        local = source.family.prompt(load_prompt_step(source, CPU32), key.prompt, CPU32.device, torch.float32)
+        local = source.family.prompt(load_prompt_step(source, CPU32, "bf16"), key.prompt, CPU32.device, torch.float32)
     assert device == "cpu" and torch.equal(tensors["text"], local) and local.shape[1] == 3  # (1, 3 tokens, D)
 
     # A job whose model or dtype differs is told the service serves another one, by name.
@@ -283,3 +284,70 @@ def test_without_the_extra_a_named_service_says_how_to_install_it(monkeypatch, t
     runner.prepare(load_job(write_job(jobs, "unnamed", tiny_model, None)))  # no service named: nothing needed
     served = CliRunner().invoke(app, ["serve", "text", "mini"])
     assert served.exit_code == 2 and "pip install 'avatar-cli[service]'" in served.output
+
+
+# --- runtime.weights: a quantized umT5 serves other entries --------------------------------------------------------
+
+def write_wan_job(folder: Path, name: str, model: Path, url: str, weights: str, fallback: bool = False) -> Path:
+    service = json.dumps({"url": url, "fallback": fallback, "timeout_s": 5.0, "retries": 0})
+    path = folder / f"{name}.yaml"
+    path.write_text(f"reference: ref.png\naudio: speech.wav\noutput: out/{name}.mp4\nmodel: {model}\n"
+                    "prompt: a person talking\nseed: 3\nvideo: {width: 64, height: 64}\nsampling: {steps: 4}\n"
+                    f"runtime: {{text_cache: cache, dtype: float32, weights: {weights}, text_service: {service}}}\n")
+    return path
+
+
+def test_a_service_with_quantized_weights_serves_only_jobs_with_those_weights(jobs):
+    """`avatar serve text --weights int8` (wan-s2v: umT5's Linears in int8) says so in its health and keys; a bf16
+    job naming it is told at validation (exit 2, both dtypes named), refused during a render (409: exit 1, or with
+    fallback the prompt is encoded here, with a note); an int8 job gets the int8 encoder's encodings bit for bit."""
+    from avatar_cli.families.registry import init_family_dir
+
+    wan = jobs / "wan"
+    init_family_dir(wan, "tiny", family="wan-s2v")
+    source = resolve_model(str(wan), jobs)
+    running = Running(make_app(Encoder(source, CPU32, "int8"), None, 65536), listen("127.0.0.1", 0),
+                      log_level="warning", quiet=True).start()
+    try:
+        keys = {w: PromptCache(TextCache(jobs / "c"), source, torch.float32, weights=w).key("a person talking")
+                for w in ("bf16", "int8", "fp8")}
+        with TextServiceClient(running.url, retries=0) as client:
+            health = client.health()
+            assert (health["dtype"], health["weights"]) == ("float32+int8", "int8")
+            client.check(keys["int8"])
+            tensors, _ = client.encode(keys["int8"])
+            for w in ("bf16", "fp8"):
+                with pytest.raises(ServiceError, match="another dtype or weights format.*" + re.escape(
+                        f"dtype 'float32+int8' (this job: '{keys[w].dtype}')")):
+                    client.check(keys[w])
+                with pytest.raises(ServiceError, match=r"HTTP 409.*float32\+int8.*asks for"):
+                    client.encode(keys[w])
+        with torch.no_grad():
+            local = source.family.prompt(load_prompt_step(source, CPU32, "int8"), "a person talking", CPU32.device,
+                                         torch.float32)
+        assert tensors.keys() == local.keys() and all(torch.equal(tensors[k], local[k]) for k in local)
+
+        # Validation (job.resolve): the bf16 job is exit 2, naming the URL and both; the int8 job passes.
+        with pytest.raises(InputError, match=r"float32\+int8.*this job: 'float32'") as refused:
+            runner.prepare(load_job(write_wan_job(jobs, "bf16", wan, running.url, "bf16")))
+        assert refused.value.exit_code == 2 and running.url in str(refused.value)
+        runner.prepare(load_job(write_wan_job(jobs, "int8", wan, running.url, "int8")))
+
+        # During a render (the prompt step's read): the 409 is the render's failure, or with fallback a note.
+        service = load_job(write_wan_job(jobs, "late", wan, running.url, "bf16")).spec.runtime.text_service
+        with pytest.raises(RenderError, match="HTTP 409"):
+            PromptCache(None, source, torch.float32, service=service, weights="bf16").read("a person talking")
+        notes: list[str] = []
+        fallback = replace(service, fallback=True)
+        assert PromptCache(None, source, torch.float32, notes.append, service=fallback,
+                           weights="bf16").read("a person talking") is None
+        assert len(notes) == 1 and "HTTP 409" in notes[0] and "encoding the prompt here instead" in notes[0]
+    finally:
+        running.stop()
+
+
+def test_serve_text_weights_must_fit_the_family():
+    with pytest.raises(InputError, match="mini family does not quantize its text encoder"):
+        Encoder(resolve_model("mini", Path.cwd()), CPU32, "int8")
+    bad = CliRunner().invoke(app, ["serve", "text", "mini", "--weights", "int4"])
+    assert bad.exit_code == 2 and "--weights: 'int4'" in bad.output

@@ -7,7 +7,8 @@ encoder (the runner asks `cache.ready` before `ModelCache.get` and skips the pro
 A layer of its own, below the pipeline and the text service (avatar_cli/service/), one job per file:
 - entry.py: an entry's key and format (safetensors bytes, the key and a data digest in its metadata), shared by
   the cache, the service and its client;
-- identity.py: what names a model's prompt encodings (the family spec's prompt identity, the encoder's dtype);
+- identity.py: what names a model's prompt encodings (the family spec's prompt identity, the encoder's dtype
+  and weights format);
 - store.py: the folder of entries (`runtime.text_cache`), read verified and written atomically;
 - cache.py: the read-through cache the prompt step uses (`PromptCache`), and the text service behind it;
 - encode.py: `avatar prompts encode`, which fills the cache ahead of the renders.

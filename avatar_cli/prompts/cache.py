@@ -19,7 +19,7 @@ from torch import nn
 from avatar_cli.errors import InputError, RenderError
 from avatar_cli.families.source import ModelSource
 from avatar_cli.prompts.entry import EntryKey
-from avatar_cli.prompts.identity import encoder_dtype, entry_key, identity, prompt_components
+from avatar_cli.prompts.identity import encoder_dtype, encoder_weights, entry_key, identity, prompt_components
 from avatar_cli.prompts.store import TextCache, cache_folder
 from avatar_cli.runtime.device import resolve_runtime
 from avatar_cli.service import INSTALL_HINT
@@ -32,11 +32,13 @@ class PromptCache:
     store None: no cache (runtime.text_cache: off). service: the job's runtime.text_service; with a url, a
     prompt the cache lacks is fetched from it. Neither: every prompt is encoded. write False: read only (the
     ranks other than 0: one writer per entry per job). note: where notes go (a corrupt entry, a failed write,
-    a fallback).
+    a fallback). weights: the job's runtime.weights (a quantized encoder's encodings are other entries than a bf16
+    one's: prompts/identity.py encoder_label).
     """
 
     def __init__(self, store: TextCache | None, source: ModelSource, dtype: torch.dtype,
-                 note: Callable[[str], None] = lambda _: None, write: bool = True, service: Any = None):
+                 note: Callable[[str], None] = lambda _: None, write: bool = True, service: Any = None,
+                 weights: str = "bf16"):
         self.store = store
         self.family = source.family
         self.service = service if service is not None and service.url else None
@@ -46,6 +48,7 @@ class PromptCache:
             note(f"note: the {self.family.name} family declares no prompt identity: its prompts are encoded for "
                  "every job, never cached")
         self.dtype = encoder_dtype(self.family, dtype)
+        self.weights = encoder_weights(self.family, weights)  # the encoder's format; bf16 if the family keeps it
         self.note = note
         self.write = write
         self.known: dict[str, Any] = {}  # prompt -> its encoding, read or made in this process
@@ -58,7 +61,7 @@ class PromptCache:
         return self._identity is not None
 
     def key(self, prompt: str) -> EntryKey:
-        return entry_key(self.family, self._identity, prompt, self.dtype)
+        return entry_key(self.family, self._identity, prompt, self.dtype, self.weights)
 
     def read(self, prompt: str) -> dict[str, torch.Tensor] | None:
         """The entry's tensors, else the text service's answer (then written into the cache), else None: no entry
@@ -132,9 +135,13 @@ class PromptCache:
 
 
 def job_prompts(cache_setting: str, base_dir: Path, source: ModelSource, dtype: torch.dtype,
-                note: Callable[[str], None], write: bool = True, service: Any = None) -> PromptCache:
+                note: Callable[[str], None], write: bool = True, service: Any = None, *,
+                weights: str) -> PromptCache:
+    """The job's PromptCache. weights: its runtime.weights, always given (a default would key a quantized
+    encoder's encodings as bf16 ones)."""
     folder = cache_folder(cache_setting, base_dir)
-    return PromptCache(TextCache(folder) if folder is not None else None, source, dtype, note, write, service)
+    return PromptCache(TextCache(folder) if folder is not None else None, source, dtype, note, write, service,
+                       weights)
 
 
 def ready(prompts: PromptCache, prompt: str, device: torch.device, dist: Any) -> bool:
@@ -180,7 +187,8 @@ def service_client(service: Any) -> Any:
 
 def check_service(job: Any, source: ModelSource, runtime: Any = None) -> None:
     """At validation (job.resolve): a job that names a text service and whose prompt the cache lacks needs
-    the service up and serving this model's encoder, tokenizer and dtype, else InputError naming the URL.
+    the service up and serving this model's encoder, tokenizer, dtype and weights format, else InputError naming
+    the URL (and both keys' dtype fields, e.g. bfloat16 against bfloat16+int8).
     With fallback on, only the URL and the client are checked (a render then encodes locally, with a note).
     runtime: the job's, as job.resolve resolved it (None: resolved here)."""
     rt = job.spec.runtime
@@ -195,7 +203,7 @@ def check_service(job: Any, source: ModelSource, runtime: Any = None) -> None:
         if runtime is None:
             runtime = resolve_runtime(rt.device.value, rt.dtype.value, rt.threads)
         prompts = job_prompts(rt.text_cache, job.path.parent, source, runtime.dtype, lambda _: None,
-                              service=service)
+                              service=service, weights=rt.weights.value)
         key = prompts.key(job.spec.prompt)
         if prompts.store is not None and prompts.store.read(key)[0] is not None:
             return  # cached: this job never asks the service

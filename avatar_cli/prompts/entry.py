@@ -2,9 +2,10 @@
 
 Key: sha256 over `EntryKey`: the family, the text encoder's weights digest, the tokenizer's digest, the exact
 prompt, the family's negative prompt (wan-s2v encodes it with every prompt), and the dtype the encoder runs in
-(bf16 and fp32 encodings differ). Not the device: an entry made on a GPU serves a CPU render (its metadata
-names the device it was made on); a render on another device type than the entry's may then differ from an
-uncached render there in the last bits of the text conditioning.
+with the format of its weights when `runtime.weights` quantizes them ("bfloat16", "bfloat16+int8": bf16, fp32 and
+quantized encodings differ; prompts/identity.py encoder_label). Not the device: an entry made on a GPU serves a
+CPU render (its metadata names the device it was made on); a render on another device type than the entry's may
+then differ from an uncached render there in the last bits of the text conditioning.
 The weights digest is cheap and content-based (modules/digest.py), so copies of a model on several hosts share
 entries.
 
@@ -34,7 +35,7 @@ class EntryKey:
     tokenizer: str  # digest of the tokenizer's files (or code and vocabulary)
     prompt: str
     negative: str  # the negative prompt the family encodes with it; "" if none
-    dtype: str  # the dtype the encoder runs in
+    dtype: str  # the dtype the encoder runs in, "+int8" / "+fp8" when its weights are quantized
 
     def fields(self) -> dict[str, str]:
         return {"format": FORMAT, **asdict(self)}

@@ -1,11 +1,13 @@
 """What names a model's prompt encodings: its identity (encoder and tokenizer digests, negative prompt), the dtype
-its encoder runs in, and the components only the prompt step uses."""
+its encoder runs in and the format its weights are held in (`runtime.weights`), and the components only the prompt
+step uses."""
 
 import torch
 
 from avatar_cli.families.base import Family
 from avatar_cli.families.source import ModelSource
 from avatar_cli.prompts.entry import EntryKey
+from avatar_cli.runtime.quantize import check_weights
 
 
 def identity(source: ModelSource) -> tuple[str, str, str] | None:
@@ -27,7 +29,27 @@ def encoder_dtype(family: Family, dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if names and all(n in family.parallel.float32 for n in names) else dtype
 
 
-def entry_key(family: Family, ident: tuple[str, str, str], prompt: str, dtype: torch.dtype) -> EntryKey:
-    """The cache key of `prompt` encoded by a model of this identity, its encoder running in `dtype`."""
+def encoder_weights(family: Family, weights: str) -> str:
+    """The `runtime.weights` format the prompt step's components are held in under the job's `weights`: the job's
+    when the family quantizes one of them (ParallelPlan.quantized: wan-s2v's umT5), else bf16 (as loaded)."""
+    check_weights(weights)
+    names = family.needs.get("prompt", ())
+    quantized = any(family.parallel.quantized_paths(n) is not None for n in names)
+    return weights if quantized else "bf16"
+
+
+def encoder_label(dtype: torch.dtype, weights: str) -> str:
+    """The key's `dtype` field: the dtype the encoder runs in, and the format of its quantized weights if any
+    ("bfloat16", "bfloat16+int8", "float32+fp8"). bf16 adds nothing, so entries written before quantized encoders
+    existed keep their keys."""
+    name = str(dtype).removeprefix("torch.")
+    return name if weights == "bf16" else f"{name}+{weights}"
+
+
+def entry_key(family: Family, ident: tuple[str, str, str], prompt: str, dtype: torch.dtype,
+              weights: str) -> EntryKey:
+    """The cache key of `prompt` encoded by a model of this identity, its encoder running in `dtype` with the job's
+    `runtime.weights` (which the key names only when the family quantizes its encoder: encoder_weights)."""
     encoder, tokenizer, negative = ident
-    return EntryKey(family.name, encoder, tokenizer, prompt, negative, str(dtype).removeprefix("torch."))
+    return EntryKey(family.name, encoder, tokenizer, prompt, negative,
+                    encoder_label(dtype, encoder_weights(family, weights)))

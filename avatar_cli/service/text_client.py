@@ -100,11 +100,17 @@ class TextServiceClient:
         return body
 
     def check(self, key: EntryKey) -> None:
-        """The service encodes with this key's family, encoder weights, tokenizer and dtype (ServiceError if not)."""
+        """The service encodes with this key's family, encoder weights, tokenizer and dtype (its `dtype` field: the
+        dtype, and the weights format of a quantized encoder), ServiceError naming what differs if not."""
         h = self.health()
         wanted = {"family": key.family, "encoder_digest": key.encoder, "tokenizer_digest": key.tokenizer,
                   "dtype": key.dtype}
-        wrong = [f"{name} {_short(h.get(name))} (this job: {_short(v)})" for name, v in wanted.items() if h.get(name) != v]
+        differ = [name for name, v in wanted.items() if h.get(name) != v]
+        wrong = [f"{name} {_short(h.get(name))} (this job: {_short(wanted[name])})" for name in differ]
+        if differ == ["dtype"]:  # the same encoder run otherwise: in another dtype, or with other weights
+            raise self.error(f"serves this model's encoder in another dtype or weights format (the job's "
+                             f"runtime.dtype and runtime.weights against `avatar serve text --dtype/--weights`): its "
+                             + wrong[0])
         if wrong:
             raise self.error(f"serves another model ({h.get('model')}): its " + ", ".join(wrong))
 

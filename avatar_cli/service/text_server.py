@@ -4,13 +4,16 @@ Why a service: the wan-s2v family's umT5-XXL is 11.4 GB of weights used once per
 asks one warm encoder instead of each loading it (and keeps the answers in its text cache).
 
 API (schema avatar-text/1; docs/text-service.md):
-- GET /v1/health -> {"schema", "family", "model", "encoder_digest", "tokenizer_digest", "dtype"}: what a client
-  compares with its own model's text-cache key before trusting the service.
+- GET /v1/health -> {"schema", "family", "model", "encoder_digest", "tokenizer_digest", "dtype", "weights"}: what a
+  client compares with its own model's text-cache key before trusting the service. "dtype" is the key's field: the
+  dtype the encoder runs in, with the format of its weights when `--weights` quantizes them ("bfloat16+int8");
+  "weights" says the format alone (bf16 | fp8 | int8).
 - POST /v1/encode, JSON {"schema": "avatar-text/1", "prompt": str, "negative_prompt": str | null,
   "dtype": str | null} -> 200, application/octet-stream: a text-cache entry (safetensors bytes of the family's
   prompt tensors; metadata: the key's fields and data_sha256). Never a pickle.
   422: malformed JSON, wrong schema, missing or unknown fields, a negative prompt this family does not encode,
-  a prompt longer than the family takes; 409: another dtype than the service's; 413: body too large;
+  a prompt longer than the family takes; 409: another dtype (or weights format) than the service's; 413: body too
+  large;
   401: no or wrong token; 404: any other path.
 
 Security: loopback by default; any other address needs a token (AVATAR_TEXT_TOKEN or --token-file), and then
@@ -41,8 +44,9 @@ from avatar_cli.errors import InputError, RenderError
 from avatar_cli.families.registry import ModelSource, check_model, resolve_model
 from avatar_cli.prompts.encode import load_prompt_step
 from avatar_cli.prompts.entry import EntryKey, entry_bytes
-from avatar_cli.prompts.identity import encoder_dtype, entry_key, identity
-from avatar_cli.runtime.device import Runtime, dtype_name, resolve_runtime
+from avatar_cli.prompts.identity import encoder_dtype, encoder_label, encoder_weights, entry_key, identity
+from avatar_cli.runtime.device import Runtime, resolve_runtime
+from avatar_cli.runtime.quantize import WEIGHT_FORMATS, check_setting
 from avatar_cli.service import SCHEMA, TOKEN_ENV
 
 DTYPES = ("auto", "float32", "bfloat16")
@@ -57,7 +61,7 @@ class EncodeRequest(BaseModel):
     schema_: Literal["avatar-text/1"] = Field(alias="schema")
     prompt: str
     negative_prompt: str | None = None  # None: the family's own (wan-s2v encodes its S2V negative with every prompt)
-    dtype: str | None = None  # None: the service's; another is 409 (bf16 and fp32 encodings differ)
+    dtype: str | None = None  # None: the service's; another is 409 (bf16, fp32 and int8-weight encodings differ)
 
 
 class PromptTooLong(ValueError):
@@ -67,15 +71,19 @@ class PromptTooLong(ValueError):
 class Encoder:
     """The model's prompt step, loaded once. `encode` runs on one worker thread: requests queue for it."""
 
-    def __init__(self, source: ModelSource, runtime: Runtime):
+    def __init__(self, source: ModelSource, runtime: Runtime, weights: str = "bf16"):
         self.source, self.runtime, self.family = source, runtime, source.family
-        self.models = load_prompt_step(source, runtime)
         self.identity = identity(source)  # (encoder digest, tokenizer digest, negative)
         if self.identity is None:
             raise InputError(f"the {self.family.name} family declares no prompt identity: its encodings cannot be "
                              "served (nothing could tell a job's encoder from another's)")
+        self.weights = encoder_weights(self.family, weights)
+        if self.weights != weights:
+            raise InputError(f"--weights {weights}: the {self.family.name} family does not quantize its text encoder; "
+                             "use bf16")
         self.encoder_dtype = encoder_dtype(self.family, runtime.dtype)
-        self.dtype = dtype_name(self.encoder_dtype)
+        self.dtype = encoder_label(self.encoder_dtype, self.weights)  # the key's field: "bfloat16+int8"
+        self.models = load_prompt_step(source, runtime, weights)
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="text-encoder")
 
     @property
@@ -83,11 +91,12 @@ class Encoder:
         return self.identity[2]
 
     def key(self, prompt: str) -> EntryKey:
-        return entry_key(self.family, self.identity, prompt, self.encoder_dtype)
+        return entry_key(self.family, self.identity, prompt, self.encoder_dtype, self.weights)
 
     def health(self) -> dict[str, str]:
         return {"schema": SCHEMA, "family": self.family.name, "model": self.source.name,
-                "encoder_digest": self.identity[0], "tokenizer_digest": self.identity[1], "dtype": self.dtype}
+                "encoder_digest": self.identity[0], "tokenizer_digest": self.identity[1], "dtype": self.dtype,
+                "weights": self.weights}
 
     def encode(self, prompt: str) -> bytes:
         """The entry's bytes; PromptTooLong for a prompt the family would cut."""
@@ -253,13 +262,15 @@ class Running:
 
 
 def serve(model: str, host: str, port: int, dtype: str, device: str, threads: int, max_request_bytes: int,
-          token_file: Path | None, say: Any, env: dict[str, str]) -> None:
+          token_file: Path | None, say: Any, env: dict[str, str], weights: str = "bf16") -> None:
     """`avatar serve text`: check the settings and the port, load the encoder once, serve until SIGINT/SIGTERM
     (then finish the requests under way and exit 0)."""
     if dtype not in DTYPES:
         raise InputError(f"--dtype: {dtype!r}: choose from {', '.join(DTYPES)}")
     if device not in DEVICES:
         raise InputError(f"--device: {device!r}: choose from {', '.join(DEVICES)}")
+    if weights not in WEIGHT_FORMATS:
+        raise InputError(f"--weights: {weights!r}: choose from {', '.join(WEIGHT_FORMATS)}")
     if threads < 0:
         raise InputError(f"--threads: {threads} must not be negative (0: torch's default)")
     if max_request_bytes < 1024:
@@ -271,9 +282,15 @@ def serve(model: str, host: str, port: int, dtype: str, device: str, threads: in
     sock = listen(host, port)
     source = resolve_model(model, Path.cwd())
     check_model(source)
-    encoder = Encoder(source, resolve_runtime(device, dtype, threads))
+    if weights != "bf16":
+        try:  # torchao installed, the family quantizes something (the Encoder checks that it is the text encoder)
+            check_setting(weights, source.family.name, source.family.parallel.quantized)
+        except ValueError as e:
+            raise InputError(f"--weights: {e}") from None
+    encoder = Encoder(source, resolve_runtime(device, dtype, threads), weights)
     running = Running(make_app(encoder, token, max_request_bytes), sock).start()
-    say(f"serving {source.name} ({encoder.family.name}, {encoder.dtype}, {encoder.runtime.device}) text encodings "
+    say(f"serving {source.name} ({encoder.family.name}, {encoder.dtype}, weights {encoder.weights}, "
+        f"{encoder.runtime.device}) text encodings "
         f"at {running.url}/v1/ ({'token required' if token else 'no token'}); Ctrl-C stops")
 
     def stop(signum: int, frame: Any) -> None:  # noqa: ARG001

@@ -3,7 +3,8 @@ sizes a layout with, for a model directory or for the release's size named witho
 
 - Parameters: the DiT and umT5 built on meta from the config and counted in the runtime dtype, the VAE and wav2vec2
   in float32 (the family's ParallelPlan.float32); the DiT's and umT5's blocks as block offload and FSDP2 see them;
-  with `runtime.weights: fp8 | int8`, the DiT's quantized Linears as torchao lays them out (runtime/quantize.py).
+  with `runtime.weights: fp8 | int8`, the DiT's and umT5's quantized Linears as torchao lays them out
+  (runtime/quantize.py).
 - Clip mode (the official loop): one DiT forward over one 80-frame clip with its motion latents (tokens from the
   frame size), its activations counted with fused attention (runtime/meta_count.py) and its FLOPs with
   FlopCounterMode; sampling.steps forwards per clip, twice with guidance. The decode as the family runs it:
@@ -58,11 +59,12 @@ def _dit_bytes(p: WanDiTParams, dtype: torch.dtype, weights: str, paths: tuple[s
     return _blocked(dit, dit.blocks, dtype, weights, paths)
 
 
-@functools.lru_cache(maxsize=2)
-def _t5_bytes(p: UMT5Params, dtype: torch.dtype) -> ModelBytes:
+@functools.lru_cache(maxsize=4)
+def _t5_bytes(p: UMT5Params, dtype: torch.dtype, weights: str = "bf16",
+              paths: tuple[str, ...] | None = None) -> ModelBytes:
     with torch.device("meta"):
         t5 = UMT5Text(p).to(dtype)
-    return _blocked(t5, t5.model.encoder.block, dtype)
+    return _blocked(t5, t5.model.encoder.block, dtype, weights, paths)
 
 
 @functools.lru_cache(maxsize=2)
@@ -144,13 +146,14 @@ def _block_forward(p: WanDiTParams, dtype: torch.dtype, lat_h: int, lat_w: int) 
 
 def budget(config, mode: str, size: tuple[int, int], dtype: torch.dtype, steps: int, guidance: float,
            weights: str = "bf16", vae_dtype: torch.dtype = torch.float32) -> Budget:
-    """The family's budget at `size` (width, height), its DiT and umT5 in `dtype`, the DiT's Linears under
+    """The family's budget at `size` (width, height), its DiT and umT5 in `dtype`, their Linears under
     `runtime.weights`, the VAE in `vae_dtype` (runtime.vae_dtype); config: a WanS2VConfig (a directory's, or the
     release's preset)."""
     p: WanDiTParams = config.dit
     w, h = size
     lat_h, lat_w = h // 8, w // 8
-    models = {"dit": _dit_bytes(p, dtype, weights, dict(QUANTIZED).get("dit")), "text": _t5_bytes(config.t5, dtype),
+    models = {"dit": _dit_bytes(p, dtype, weights, dict(QUANTIZED).get("dit")),
+              "text": _t5_bytes(config.t5, dtype, weights, dict(QUANTIZED).get("text")),
               "audio": _w2v_bytes(p.audio_dim),
               "vae": ModelBytes(n_bytes(on_meta(WanVAE, config.vae, vae_dtype)), dtype_name(vae_dtype))}
     if mode == "streaming":

@@ -58,9 +58,13 @@ PUT_LATENTS = 2  # latents decoded per hand-off to the encoder: 8 frames, a quic
 # What `runtime.weights: fp8 | int8` quantizes (runtime/quantize.py): the Linears of the DiT's 40 blocks and of its 12
 # audio injectors' cross-attentions (15.3 of its 16.3 B parameters). Left in the runtime dtype: the embeddings, the
 # time embedding and projection, the head and the audio encoder (the official fp32 islands), the injectors' AdaIN
-# Linears (they scale and shift whole frames of tokens), the norms. umT5 is not quantized: its encodings are cached
-# and served (text cache, text service) under its dtype alone, and a render whose prompt is cached never loads it.
-QUANTIZED = (("dit", ("blocks", "audio_injector.injector")),)
+# Linears (they scale and shift whole frames of tokens), the norms.
+# And umT5's 24 blocks: their attention (q, k, v, o) and gated feed-forward (wi_0, wi_1, wo) Linears, 4.63 of its
+# 5.68 B parameters. Left as loaded: the token embedding (a lookup, 1.05 B: a row's error would be that token's alone,
+# but torchao quantizes Linears only), the per-layer relative-position bias tables (tiny, added to every attention
+# score) and the RMS norms. Its encodings are cached and served (text cache, text service) under a key that names
+# the format (prompts/identity.py: "bfloat16+int8"), so a quantized encoder's never stand in for a bf16 one's.
+QUANTIZED = (("dit", ("blocks", "audio_injector.injector")), ("text", ("blocks",)))
 
 
 def size_less_than_area(h: int, w: int, target_area: int, divisor: int = SIZE_DIVISOR) -> tuple[int, int]:
