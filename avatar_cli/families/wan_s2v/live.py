@@ -119,7 +119,8 @@ class LiveAvatarFamily(WanS2VFamily):
     @property
     def parallel(self) -> ParallelPlan:
         # The DiT replicated and each block split over the ranks (Ulysses, live_parallel.py); umT5 sharded as in the
-        # clip mode (its forward is whole). The timestep pipeline places nothing across ranks (pipeline/steps.py).
+        # clip mode (its forward is whole), replicated like the DiT when runtime.weights quantizes both (QUANTIZED).
+        # The timestep pipeline places nothing across ranks (pipeline/steps.py).
         heads = self.config.dit.num_heads if self.config is not None else 1
         return ParallelPlan(sharded=("text",), sequence_parallel="dit", sp_wrap=StreamingSequenceParallel,
                             sp_heads=heads, float32=("vae", "audio"), quantized=QUANTIZED)
