@@ -455,3 +455,37 @@ def test_jobs_with_a_dit_file_render(official, tmp_path):
                             ("mini", comfy, "reads its DiT from its model directory only")):
         result = render("refused", model, f"dit: {dit}\n")
         assert result.returncode == 2 and why in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+def test_a_k_quant_gguf_renders_near_the_official_layout(tmp_path):
+    """A Q4_K GGUF (city96's mix: the blocks' Linears in Q4_K where their rows fill 256-value blocks, the rest F16 or
+    F32) of a tiny model whose DiT is widened to dim 256 so its blocks' rows do: rendered through the CLI, frames
+    near the official layout's holding the same weights."""
+    import av
+
+    official = tmp_path / "wan"
+    wan.init_dir(official, "tiny", seed=0)
+    p = dataclasses.replace(wan.tiny_dit(), dim=256, ffn_dim=512)
+    state = random_dit(p, official)  # the directory's DiT, widened
+    no_shards = tmp_path / "release-without-dit"
+    shutil.copytree(official, no_shards, ignore=shutil.ignore_patterns("diffusion_pytorch_model*"))
+    q4 = tmp_path / "Wan2.2-S2V-14B-Q4_K_M.gguf"
+    types = write_dit_gguf(q4, state, T.Q4_K)
+    assert sum(t == T.Q4_K for t in types.values()) >= 40
+    write_reference(tmp_path / "ref.png")
+    write_wav(tmp_path / "speech.wav", 1.0)
+    for name, model, extra in (("official", official, ""), ("q4", no_shards, f"dit: {q4}\n")):
+        (tmp_path / f"{name}.yaml").write_text(
+            f"reference: ref.png\naudio: speech.wav\noutput: out/{name}.mp4\nmodel: {model}\nseed: 3\n"
+            "video: {width: 64, height: 64}\nsampling: {steps: 2}\n" + extra)
+        result = avatar("render", str(tmp_path / f"{name}.yaml"), "--json")
+        assert result.returncode == 0, result.stderr[-2000:]
+
+    def frames(name: str) -> np.ndarray:
+        with av.open(str(tmp_path / "out" / f"{name}.mp4")) as c:
+            return np.stack([f.to_ndarray(format="rgb24") for f in c.decode(video=0)]).astype(np.float32)
+
+    # Measured: 7.6 levels of 255 on average (Q4_K's 4.5 bits a value through 2 steps and the decode); bound about
+    # twice that.
+    diff = np.abs(frames("q4") - frames("official"))
+    assert diff.mean() < 15, diff.mean()
