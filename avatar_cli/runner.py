@@ -353,13 +353,13 @@ def _render_locked(p: ResolvedJob, reporter: Reporter, models: ModelCache | None
     # The timestep pipeline: each rank loads what its role runs and places it alone (nothing is sharded).
     steps = p.parallel == Split.steps
     absent = rank_skips(p.model.family, dist.rank) if steps else set()
-    rings_why = place_rings(p, runtime, {*prompt_cache.skipped(prompts, spec.prompt), *absent})
+    skip = {*prompt_cache.skipped(prompts, spec.prompt), *absent}
+    rings_why = place_rings(p, runtime, skip)
     if main and rings_why is not None:
         reporter.info(f"rings: {p.model.family.rings_at} ({rings_why})")
     models = models or ModelCache()
     modules, placement = models.get(p.model, runtime, Dist() if steps else dist, spec.runtime, reporter,
-                                    skip={*prompt_cache.skipped(prompts, spec.prompt), *absent},
-                                    working_bytes=_working_bytes(p, runtime, dist, models))
+                                    skip=skip, working_bytes=_working_bytes(p, runtime, dist, models))
     pipeline = Pipeline(modules, p.model.family, runtime, placement, prompts=prompts,
                         steps_dist=dist if steps else None, absent=absent)
     image = p.model.family.fit_reference(p.image, *p.gen_size)  # (3, H, W) in [-1, 1]

@@ -188,10 +188,10 @@ def run_session(p: ResolvedJob, reporter: Reporter, models: ModelCache | None = 
         prompt_cache.ready(prompts, spec.prompt, runtime.device, dist)
         # The timestep pipeline: each rank loads what its role runs and places it alone (nothing is sharded).
         absent = rank_skips(family, dist.rank) if steps else set()
-        place_rings(p, runtime, {*prompt_cache.skipped(prompts, spec.prompt), *absent})
+        skip = {*prompt_cache.skipped(prompts, spec.prompt), *absent}
+        place_rings(p, runtime, skip)
         modules, placement = (models or ModelCache()).get(p.model, runtime, Dist() if steps else dist, spec.runtime,
-                                                          reporter, skip={*prompt_cache.skipped(prompts, spec.prompt),
-                                                                          *absent})
+                                                          reporter, skip=skip)
         pipeline = Pipeline(modules, family, runtime, placement, prompts=prompts,
                             steps_dist=dist if steps else None, absent=absent)
         image = family.fit_reference(p.image, *p.gen_size)  # (3, H, W) in [-1, 1]

@@ -167,7 +167,7 @@ class Family(ABC):
     copying the next step's in) around it. A step a family does not have (no super-resolution) needs ().
     """
 
-    rings_at = "device"  # where key/value rings wait, for a family that keeps some (runtime.rings): device | host | disk
+    rings_at = "device"  # where a family's key/value rings wait (runtime.rings): device | host | disk
     rings_folder: Path | None = None  # runtime.rings: disk: where their scratch file goes
 
     name: ClassVar[str]

@@ -16,8 +16,9 @@ Bit-identical to one rank (tests/test_steps_pipeline.py): every step runs the sa
 
 Resume points. A checkpoint holds what one rank's render holds after block g, so a render resumes with either way:
 each step rank sends rank 0 a copy of its ring after the blocks `copies` names (and step 0's rank the sink when it
-changes), and rank 0 assembles the state; a live session, which never resumes, sends none. That is cheap at tiny sizes and the wrong design at full size (41.5 GB of rings per
-block at 704x384, causal.py's docstring counts them; see live.py's docstring for the re-prefill alternative).
+changes), and rank 0 assembles the state in host memory; a live session, which never resumes, sends none. At full
+size the rings are 41.5 GB (causal.py's docstring counts them), so `copies` is checkpoint.resume_schedule: one block
+in 39 there, every block for a small model.
 
 Sends are asynchronous (isend) with at most PENDING blocks in flight per rank: a rank runs ahead of its consumer by
 that much and no further, which bounds the memory the copies in flight take. Receives block.

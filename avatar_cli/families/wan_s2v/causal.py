@@ -305,7 +305,6 @@ def prefill_sink(model: WanS2VDiT, caches: CausalCaches, ref: torch.Tensor, moti
     caches.sink_v = _beside(torch.stack(vs).to(caches.v.dtype), caches.v)  # (layers, N, h, Dh)
 
 
-@torch.no_grad()
 def mapped_zeros(shape: tuple[int, ...], dtype: torch.dtype, folder: Path) -> torch.Tensor:
     """A zero CPU tensor backed by a scratch file in `folder`, mapped shared: the page cache holds what it can and
     the kernel writes the rest back to the file, so a host with less memory than the rings holds them. The file's
@@ -334,6 +333,7 @@ def _beside(x: torch.Tensor, ring: torch.Tensor) -> torch.Tensor:
     return x.to(ring.device).pin_memory() if ring.is_pinned() else x.to(ring.device)
 
 
+@torch.no_grad()
 def causal_forward(model: WanS2VDiT, caches: CausalCaches, step: int, x: torch.Tensor, t: torch.Tensor,
                    block_index: int, inputs: BlockInputs, sink_offset: int,
                    cond: torch.Tensor | None = None, exchange: HeadExchange | None = None) -> torch.Tensor:
@@ -398,11 +398,12 @@ def causal_forward(model: WanS2VDiT, caches: CausalCaches, step: int, x: torch.T
             q, k = apply_rope(q, freqs), apply_rope(k, freqs)  # (1, h, L, Dh)
             ring_k[slot:slot + L] = k[0].transpose(0, 1)  # roped, at the absolute position
             ring_v[slot:slot + L] = v[0].transpose(0, 1)
-            # Rings in host memory (runtime.rings: host): this layer's come in for its attention, as they are.
+            # Rings off the device (runtime.rings: host | disk): this layer's come in for its attention, as they are.
             dev = q.device
+            ks, vs = ring_k[:active].to(dev), ring_v[:active].to(dev)  # (active, h, Dh)
             sink_k = apply_rope(caches.sink_k[i].to(dev).transpose(0, 1)[None], sink_freqs)  # (1, h, N_sink, Dh)
-            keys = torch.cat([ring_k[:active].to(dev).transpose(0, 1)[None], sink_k], dim=2)  # (1, h, active+N_sink, Dh)
-            vals = torch.cat([ring_v[:active].to(dev), caches.sink_v[i].to(dev)]).transpose(0, 1)[None]  # (1, h, ., Dh)
+            keys = torch.cat([ks.transpose(0, 1)[None], sink_k], dim=2)  # (1, h, active + N_sink, Dh)
+            vals = torch.cat([vs, caches.sink_v[i].to(dev)]).transpose(0, 1)[None]  # (1, h, active + N_sink, Dh)
             return F.scaled_dot_product_attention(q, keys.to(q.dtype), vals.to(q.dtype))  # (1, h, L, Dh)
 
         h = _block(block, h, mod, lambda u: _self_attention(block, u, L, exchange, ring_attention),

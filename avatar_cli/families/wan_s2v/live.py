@@ -68,7 +68,6 @@ from typing import Any
 import torch
 from torch import nn
 
-
 from avatar_cli.families.base import (AudioSource, Chunk, Family, Final, Geometry, Models, ParallelPlan, RollingState,
                                       Sampling)
 from avatar_cli.families.wan_s2v.audio import SAMPLE_RATE
