@@ -195,7 +195,9 @@ def test_a_file_into_hls_is_paced_and_ended(rendered, tmp_path: Path):
     assert r.returncode == 0, r.stderr
     last = events(r.stdout)[-1]
     assert last["event"] == "done" and last["frames_digest"] == done["frames_digest"]
-    assert last["wall_s"] >= done["frames"] / FPS  # paced at real time: a server gets a stream, not a burst
+    # Paced at real time (a server gets a stream, not a burst): the first frame leaves at once, frame k k / fps
+    # after it, so the session lasts at least (frames - 1) / fps.
+    assert last["wall_s"] >= (done["frames"] - 1) / FPS
     text = playlist.read_text()
     assert text.rstrip().endswith("#EXT-X-ENDLIST")
     assert decode(playlist, fmt=None)[0] == done["frames"]
