@@ -86,13 +86,13 @@ def run_batch(jobs: list[Path], overrides: list[str], output: str | None, force:
     """
     # Imported here, not at the top: they pull in torch and the models' code, which `avatar --help`, `validate`'s
     # argument errors and job-list expansion never need.
-    from avatar_cli import runner, session
+    from avatar_cli import render
     from avatar_cli.job import check_live, check_output, resolve
     from avatar_cli.pipeline.fingerprint import job_fingerprint
     from avatar_cli.runtime.distributed import launched_by_torchrun
     from avatar_cli.spec import load_job
 
-    models = runner.ModelCache()
+    models = render.ModelCache()
     results: list[JobResult] = []
     # Under torchrun a job that fails while rendering may have left the ranks at different collectives
     # (one rank's disk filled, a peer died): the next job would hang or mismatch. End the batch there.
@@ -104,18 +104,17 @@ def run_batch(jobs: list[Path], overrides: list[str], output: str | None, force:
         try:
             job = load_job(path, overrides, output)
             prepared = resolve(job, force=True)  # resolved once; an existing output is looked at next
-            if job.live:  # a live session (avatar_cli/session.py): its own loop, no resume, one job alone
+            if job.live:  # a live session (avatar_cli/render/live.py): no resume, one job alone
                 if len(jobs) > 1:
                     raise SpecError(f"{path}: a live session (audio or output a stream) runs alone, not in a batch")
                 check_live(job, force)
                 rendering = True
-                summary = session.run_session(prepared, reporter, models).as_dict()
-                reporter.live({"event": "done", **summary},
-                              f"done: {summary['frames']} frames ({summary['duration_s']:.2f} s) to {summary['output']}")
+                summary = render.run_session(prepared, reporter, models)
+                reporter.done(summary)
                 results.append(JobResult(str(path), "done", time.perf_counter() - t0, output=summary["output"]))
                 continue
             if job.output.exists() and not force:
-                tag = runner.output_tag(job_fingerprint(prepared.job, prepared.model))
+                tag = render.output_tag(job_fingerprint(prepared.job, prepared.model))
                 if is_complete(job.output, tag):
                     reporter.skipped(str(path), str(job.output), "already rendered from this job (--force to redo)")
                     results.append(JobResult(str(path), "skipped", time.perf_counter() - t0, output=str(job.output)))
@@ -124,8 +123,8 @@ def run_batch(jobs: list[Path], overrides: list[str], output: str | None, force:
             rendering = True
             # A rerun continues an interrupted render of the same job; --resume also refuses to discard one
             # of a changed job; --force starts over.
-            mode = runner.Resume.never if force else runner.Resume.strict if resume else runner.Resume.auto
-            summary = runner.render(prepared, reporter, models, resume=mode)
+            mode = render.Resume.never if force else render.Resume.strict if resume else render.Resume.auto
+            summary = render.render(prepared, reporter, models, resume=mode)
             reporter.done(summary)
             results.append(JobResult(str(path), "done", time.perf_counter() - t0, output=summary["output"]))
         except AvatarError as e:

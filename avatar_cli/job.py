@@ -11,7 +11,7 @@
   rank count this process was started in (WORLD_SIZE);
 - the output path and the frame size.
 
-Known only at render time, and resolved there once: which CUDA device this rank drives (runner.setup_runtime
+Known only at render time, and resolved there once: which CUDA device this rank drives (render.setup_runtime
 refines `runtime` with it) and whether an interrupted render of the job is resumed (the disk check, `check_disk`,
 runs only when it is not).
 """
@@ -181,7 +181,7 @@ def resolve(job: Job, force: bool = False, world_size: int | None = None) -> Res
     process's)."""
     image = load_image(job.reference, "reference")
     fps = job.spec.video.fps
-    if is_stream_input(str(job.audio)):  # a live input: its length is known when it ends (avatar_cli/session.py)
+    if is_stream_input(str(job.audio)):  # a live input: its length is known when it ends (avatar_cli/render/live.py)
         audio, frames = None, 0
     else:
         audio = probe_audio(job.audio, "audio")

@@ -342,7 +342,7 @@ def rings_place(setting: str, world: int, need: int, free: int | None, rings: in
 def working_set(b: Budget, family, split: Split, world: int, rank: int, decode: str,
                 rings_host: bool = False) -> tuple[int, int, int]:
     """(state, activations, decode worker) bytes one rank's GPU holds beside its weights: what the layout choice
-    keeps free (`working_bytes`), for `avatar plan` and for a render alike (runner.py).
+    keeps free (`working_bytes`), for `avatar plan` and for a render alike (render/setup.py).
 
     The timestep pipeline: a step rank its step's ring and the sink, and one forward's activations; the decode
     rank the decoder cache and the decode's peak. Otherwise: the DiT's rolling state divided by heads over the
@@ -420,7 +420,7 @@ def make_plan(job: Job, m: Machine, util: float = 0.4) -> Plan:
             layouts.append(lay)
     else:  # rank 0 is the fullest (a decode worker shares its GPU): every rank is planned as it
         ws = working_set(b, family, split, m.gpus, 0, decode)
-        # Where the rings wait, decided before the layout as a render decides it (runner.py).
+        # Where the rings wait, decided before the layout as a render decides it (render/setup.py).
         rings_at, rings_why = rings_place(rt.rings.value, m.gpus, sum(s.total for s in loaded.values()) + sum(ws),
                                           free, b.state, m.host_bytes) if b.state else ("device", "")
         rings_host = rings_at != "device"

@@ -14,6 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from avatar_cli.errors import EXIT_INTERRUPTED, EXIT_TERMINATED
+from avatar_cli.pipeline.events import LiveChunk, LiveEvent, Ready
 
 
 def peak_rss_mb() -> float:
@@ -35,7 +36,7 @@ class Reporter(Protocol):
     def done(self, summary: dict[str, Any]) -> None: ...
     def error(self, code: int, message: str) -> None: ...
     def info(self, message: str) -> None: ...
-    def live(self, event: dict[str, Any], text: str | None) -> None: ...  # a live session's event, and its line
+    def live(self, event: LiveEvent) -> None: ...  # a live session's event (pipeline/events.py)
     def off_stdout(self) -> None: ...  # stdout carries a stream (-o -): events and progress go to stderr
     def skipped(self, job: str, output: str, reason: str) -> None: ...
     def batch(self, results: list) -> None: ...
@@ -75,9 +76,10 @@ class JsonReporter:
     def off_stdout(self) -> None:
         self.out = sys.stderr
 
-    def live(self, event: dict[str, Any], text: str | None) -> None:
-        self.emit(event)
-        if text is not None and event["event"] != "ready":  # ready is the event itself; the rest are also said
+    def live(self, event: LiveEvent) -> None:
+        self.emit(event.as_dict())
+        text = event.text()
+        if text is not None and not isinstance(event, Ready):  # ready is the event itself; the rest are also said
             self.info(text)
 
     def skipped(self, job: str, output: str, reason: str) -> None:
@@ -131,7 +133,7 @@ class RichReporter:
             ("render fps", f"{s['render_fps']:.1f}"), ("realtime factor", f"{s['rtf']:.2f}x"),
             ("peak memory", f"{s['peak_rss_mb']:.0f} MB RSS" + (f", {s['peak_gpu_mb']:.0f} MB GPU"
                                                                 if s.get("peak_gpu_mb") else "")),
-        ]:
+        ] + _live_rows(s):
             table.add_row(f"[bold]{label}[/]", str(value))
         self.console.print("[green]done[/]")
         self.console.print(table)
@@ -146,12 +148,13 @@ class RichReporter:
     def off_stdout(self) -> None:
         self.console = Console(stderr=True)
 
-    def live(self, event: dict[str, Any], text: str | None) -> None:
-        if event["event"] == "ready":
-            self.fps = event["fps"]
-        if event["event"] == "chunk":  # a session has no length to show progress against: one line per chunk
-            latency = event.get("latency_s")
-            text = (f"chunk {event['index']}: {event['published'] / self.fps:.2f} s published"
+    def live(self, event: LiveEvent) -> None:
+        text = event.text()
+        if isinstance(event, Ready):
+            self.fps = event.fps
+        if isinstance(event, LiveChunk):  # a session has no length to show progress against: one line per chunk
+            latency = event.latency_s
+            text = (f"chunk {event.index}: {event.published / self.fps:.2f} s published"
                     + (f", latency {latency:.2f} s" if latency is not None else ""))
         if text is not None:
             self.info(text)
@@ -172,6 +175,18 @@ class RichReporter:
         self.console.print(", ".join(f"{n} {k}" for k, n in counts.items()))
 
 
+def _live_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
+    """A live session's own figures, for the done table (none for a file render)."""
+    if "stalls" not in s:
+        return []
+    rows = [("stalls", f"{s['stalls']} ({s['silence_s']:.2f} s of silence inserted)")]
+    if s.get("first_frame_s") is not None:
+        rows.append(("first frame after the first audio", f"{s['first_frame_s']:.2f} s"))
+    if s.get("latency_median_s") is not None:
+        rows.append(("latency", f"median {s['latency_median_s']:.2f} s, p95 {s['latency_p95_s']:.2f} s"))
+    return rows
+
+
 class QuietReporter:
     """Ranks other than 0 under torchrun: no progress, no events; errors go to stderr, marked with the rank."""
 
@@ -190,7 +205,7 @@ class QuietReporter:
     def info(self, message: str) -> None:
         pass
 
-    def live(self, event: dict[str, Any], text: str | None) -> None:
+    def live(self, event: LiveEvent) -> None:
         pass
 
     def off_stdout(self) -> None:

@@ -129,7 +129,7 @@ class ChunkingSpec:
     frames: int = 24  # new frames per N chunk
     motion_frames: int = 4  # frames of the previous N chunk each N chunk is conditioned on
     # I chunks: regenerate each seam between two anchors. auto: on where a GPU renders, off on a CPU, where their
-    # cost outweighs the seam they smooth (bench/results.md; resolved in runner.render).
+    # cost outweighs the seam they smooth (bench/results.md; resolved in job.resolve).
     transitions: Union[bool, str] = "auto"
     transition_frames: int = 6  # frames an I chunk regenerates after each seam
 
@@ -192,7 +192,7 @@ class RawAudioSpec:
 @dataclass
 class LiveSpec:
     """A live session: audio that keeps arriving (`audio: -`, a FIFO, a URL) and/or a live output (`output: -`,
-    rtmp://, udp://, tcp://, a .m3u8 path). avatar_cli/session.py."""
+    rtmp://, udp://, tcp://, a .m3u8 path). avatar_cli/render/live.py."""
 
     stall_s: float = 1.0  # a chunk whose audio is this much later than real-time audio would be renders on silence
     first_audio_s: float = 30.0  # a live input that sends nothing for this long fails the session (exit 1)
@@ -270,7 +270,7 @@ class Job:
 
     @property
     def live(self) -> bool:
-        """A live session: its audio arrives as it goes, or its output is a stream (avatar_cli/session.py)."""
+        """A live session: its audio arrives as it goes, or its output is a stream (avatar_cli/render/live.py)."""
         return is_stream_input(str(self.audio)) or is_live_output(str(self.output))
 
     @property

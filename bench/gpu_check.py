@@ -230,7 +230,8 @@ def speech(seconds: float, path: Path) -> Path:
 
 def render(seconds: float, work: Path, overrides: tuple[str, ...] = ()) -> dict:
     from avatar_cli.report import JsonReporter
-    from avatar_cli.runner import prepare, render as run_render
+    from avatar_cli.job import resolve
+    from avatar_cli.render import render as run_render
     from avatar_cli.spec import load_job
 
     audio = speech(seconds, work / f"speech_{int(seconds)}.wav")
@@ -240,7 +241,7 @@ def render(seconds: float, work: Path, overrides: tuple[str, ...] = ()) -> dict:
                     *overrides], output=str(work / f"out_{int(seconds)}.mp4"))
     reset_peak()
     with open(work / "events.jsonl", "w") as events:
-        summary = run_render(prepare(job, force=True), JsonReporter(events))
+        summary = run_render(resolve(job, force=True), JsonReporter(events))
     summary["peak_gpu_mb"] = peak_mb()
     return summary
 

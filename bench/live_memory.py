@@ -136,7 +136,8 @@ def sample(stop: threading.Event, every: float, track: ChunkPeaks, out: list) ->
 def child(job: Path, folder: Path, every: float, trim: bool, overrides: list[str]) -> None:
     """One render in this process; prints its summary with this process's peak RSS and where it happened."""
     from avatar_cli.report import JsonReporter
-    from avatar_cli.runner import prepare, render
+    from avatar_cli.job import resolve
+    from avatar_cli.render import render
     from avatar_cli.spec import load_job
     from avatar_cli.stages.base import StageTimer
     from soak import second_half_slopes
@@ -151,7 +152,7 @@ def child(job: Path, folder: Path, every: float, trim: bool, overrides: list[str
     track.watch(StageTimer)
     sampler = threading.Thread(target=sample, args=(stop, every, track, samples), daemon=True)
     sampler.start()
-    p = prepare(load_job(job, overrides), force=True)
+    p = resolve(load_job(job, overrides), force=True)
     done = render(p, track)
     stop.set()
     sampler.join()

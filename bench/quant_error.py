@@ -83,11 +83,12 @@ def tiny_job(root: Path) -> Path:
 def render_frames(job: Path, weights: str, mode: str) -> np.ndarray:
     """One render of `job` in this process with runtime.weights and mode -> its frames as 0..255 floats."""
     from avatar_cli.report import JsonReporter
-    from avatar_cli.runner import prepare, render
+    from avatar_cli.job import resolve
+    from avatar_cli.render import render
     from avatar_cli.spec import load_job
 
     out = job.parent / f"{mode}-{weights}.mp4"
-    p = prepare(load_job(job, [f"runtime.weights={weights}", f"output={out}", f"mode={mode}"]), force=True)
+    p = resolve(load_job(job, [f"runtime.weights={weights}", f"output={out}", f"mode={mode}"]), force=True)
     render(p, JsonReporter(io.StringIO()))
     return frames_of(out)
 

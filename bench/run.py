@@ -89,11 +89,12 @@ def stage_flops(audio: Path, overrides: list[str]) -> dict[str, int]:
     from avatar_cli.media.audio import AudioWindowReader
     from avatar_cli.media.image import fit_square
     from avatar_cli.pipeline.run import Pipeline
-    from avatar_cli.runner import ModelCache, prepare, setup_runtime
+    from avatar_cli.job import resolve
+    from avatar_cli.render import ModelCache, setup_runtime
     from avatar_cli.report import make_reporter
     from avatar_cli.spec import load_job
 
-    p = prepare(load_job(ROOT / "sample_inputs" / "job.yaml", [f"audio={audio}", *overrides]), force=True)
+    p = resolve(load_job(ROOT / "sample_inputs" / "job.yaml", [f"audio={audio}", *overrides]), force=True)
     runtime, dist = setup_runtime(p.job.spec)
     modules, placement = ModelCache().get(p.model, runtime, dist, p.job.spec.runtime, make_reporter(True))
     for m in modules.values():  # FlopCounterMode's module tracker trips over leaves that require grad

@@ -147,7 +147,8 @@ def test_signal_leaves_partial_and_checkpoint(job_dir: Path, sig, code):
 def test_stopped_before_a_checkpoint_a_rerun_can_use_leaves_nothing(job_dir: Path, monkeypatch, when):
     """Ctrl-C before there is a point to continue from: before the first checkpoint is saved, or after it
     but while the file holds no keyframe past it (the first fragment not yet on disk). Nothing stays."""
-    from avatar_cli import runner
+    from avatar_cli import render as rendering
+    from avatar_cli.job import resolve
     from avatar_cli.pipeline import checkpoint
     from avatar_cli.spec import load_job
 
@@ -161,7 +162,7 @@ def test_stopped_before_a_checkpoint_a_rerun_can_use_leaves_nothing(job_dir: Pat
         monkeypatch.setattr(checkpoint.CheckpointWriter, "save", interrupted)
     job = load_job(job_dir / "job.yaml")
     with pytest.raises(KeyboardInterrupt) as stopped:
-        runner.render(runner.prepare(job), StopAtFirstChunk() if when == "after the first chunk" else Recorder(),
+        rendering.render(resolve(job), StopAtFirstChunk() if when == "after the first chunk" else Recorder(),
                       resume="auto")
     assert stopped.value.kept_partial is False
     assert not job.output.exists() and os.listdir(job.output.parent) == []
@@ -226,7 +227,7 @@ class Recorder:
 
 
 def test_an_interrupted_batch_still_reports_what_it_did(job_dir: Path, monkeypatch):
-    from avatar_cli import runner
+    from avatar_cli import render as rendering
     from avatar_cli.batch import run_batch
 
     jobs = make_batch(job_dir, ["a", "b", "c"])
@@ -236,7 +237,7 @@ def test_an_interrupted_batch_still_reports_what_it_did(job_dir: Path, monkeypat
             raise KeyboardInterrupt
         return {"output": str(p.job.output)}
 
-    monkeypatch.setattr(runner, "render", fake_render)
+    monkeypatch.setattr(rendering, "render", fake_render)
     rec = Recorder()
     with pytest.raises(KeyboardInterrupt):
         run_batch(sorted(jobs.glob("*.yaml")), [], None, False, False, False, rec)
@@ -244,7 +245,7 @@ def test_an_interrupted_batch_still_reports_what_it_did(job_dir: Path, monkeypat
 
 
 def test_under_torchrun_a_failed_render_ends_the_batch_but_bad_input_does_not(job_dir: Path, monkeypatch):
-    from avatar_cli import runner
+    from avatar_cli import render as rendering
     from avatar_cli.batch import run_batch
     from avatar_cli.runtime import distributed
 
@@ -258,7 +259,7 @@ def test_under_torchrun_a_failed_render_ends_the_batch_but_bad_input_does_not(jo
             raise RuntimeError("gloo: connection closed by peer")
         return {"output": str(p.job.output)}
 
-    monkeypatch.setattr(runner, "render", fake_render)
+    monkeypatch.setattr(rendering, "render", fake_render)
     monkeypatch.setattr(distributed, "launched_by_torchrun", lambda: True)
     rec = Recorder()
     results = run_batch(sorted(jobs.glob("*.yaml")), [], None, False, False, False, rec)
@@ -347,13 +348,15 @@ def test_disk_too_small_is_refused_before_starting(job_dir: Path, small_disk: Pa
 def test_jobs_sharing_a_model_load_it_once(job_dir: Path, monkeypatch):
     from typer.testing import CliRunner
 
-    from avatar_cli import runner
+
+
+    from avatar_cli.render import setup as render_setup
     from avatar_cli.cli import app
 
     jobs = make_batch(job_dir, ["a", "b", "c"])
     calls = []
-    real = runner.load_modules
-    monkeypatch.setattr(runner, "load_modules", lambda source, **kw: calls.append(source.name) or real(source, **kw))
+    real = render_setup.load_modules
+    monkeypatch.setattr(render_setup, "load_modules", lambda source, **kw: calls.append(source.name) or real(source, **kw))
     result = CliRunner().invoke(app, ["render", str(jobs), "--json"])
     assert result.exit_code == 0, result.output
     assert len(calls) == 1
@@ -456,7 +459,8 @@ def test_expensive_resume_points_are_paced_and_big_ones_are_not_kept_eight_deep(
 
 
 def test_a_render_whose_resume_points_are_slow_writes_fewer_and_still_finishes(job_dir: Path, monkeypatch):
-    from avatar_cli import runner
+    from avatar_cli import render as rendering
+    from avatar_cli.job import resolve
     from avatar_cli.pipeline import checkpoint
     from avatar_cli.spec import load_job
 
@@ -472,7 +476,7 @@ def test_a_render_whose_resume_points_are_slow_writes_fewer_and_still_finishes(j
     stretches = []
     monkeypatch.setattr(checkpoint.CheckpointWriter, "add_stretch",
                         lambda self, *a: (stretches.append(a), self.ckpt.stretches.append(list(a))))
-    runner.render(runner.prepare(job), Recorder(), resume="auto")
+    rendering.render(resolve(job), Recorder(), resume="auto")
     assert job.output.exists() and len(stretches) >= 4
     assert written[:1] == [1] and len(written) < len(stretches), (written, len(stretches))
 

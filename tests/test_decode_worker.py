@@ -12,7 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from avatar_cli import runner
+from avatar_cli import render as rendering
+
+from avatar_cli.job import resolve
+
 from avatar_cli.errors import InputError, RenderError
 from avatar_cli.families.mini.family import MiniFamily
 from avatar_cli.families.wan_s2v.family import WanS2VFamily
@@ -53,7 +56,7 @@ class Notes(QuietReporter):
 
 
 def render(job: Path, reporter: Notes, *overrides: str, resume: str = "never") -> dict:
-    return runner.render(runner.prepare(load_job(job, list(overrides)), force=resume == "never"), reporter,
+    return rendering.render(resolve(load_job(job, list(overrides)), force=resume == "never"), reporter,
                          resume=resume)
 
 
@@ -141,11 +144,11 @@ class DiskFullAt2(MiniFamily):
 
 def test_an_error_inside_the_worker_comes_back_named(job_dir: Path):
     write_wav(job_dir / "speech.wav", 1.0)
-    p = runner.prepare(load_job(job_dir / "job.yaml", ["runtime.decode=worker"]), force=True)
+    p = resolve(load_job(job_dir / "job.yaml", ["runtime.decode=worker"]), force=True)
     p.model.__dict__["family"] = DiskFullAt2(p.model.config)  # what the worker process unpickles, too
     notes = Notes()
     with pytest.raises(RenderError, match=r"^decode worker: OSError: \[Errno 28\] No space left on device"):
-        runner.render(p, notes)
+        rendering.render(p, notes)
     assert gone(notes.worker_pid)
 
 

@@ -1,4 +1,4 @@
-"""Live sessions (avatar_cli/session.py) through `avatar render`: audio on stdin, streams out, stalls, signals.
+"""Live sessions (avatar_cli/render/live.py) through `avatar render`: audio on stdin, streams out, stalls, signals.
 
 The sessions that read stdin or write stdout run in a fresh interpreter (they are about pipes); the others in-process.
 A session's frames are those of a render of the same audio: the plan grows into the file's plan, and the features

@@ -342,7 +342,7 @@ def test_gpu_check_without_a_gpu_says_so_and_exits_2():
 
 def test_a_gpu_rank_binds_to_its_node_before_joining_the_process_group(monkeypatch):
     """NCCL's eager init allocates pinned host memory: the NUMA binding must come first, for LOCAL_RANK's GPU."""
-    from avatar_cli import runner
+    from avatar_cli.render import setup as render_setup
     from avatar_cli.errors import InputError
     from avatar_cli.runtime.device import Runtime
     from avatar_cli.runtime.distributed import Dist
@@ -350,15 +350,15 @@ def test_a_gpu_rank_binds_to_its_node_before_joining_the_process_group(monkeypat
 
     calls = []
     monkeypatch.setenv("LOCAL_RANK", "1")
-    monkeypatch.setattr(runner, "resolve_runtime", lambda *_: Runtime(torch.device("cuda"), torch.bfloat16))
-    monkeypatch.setattr(runner, "launched_by_torchrun", lambda: True)
-    monkeypatch.setattr(runner, "bind_to_gpu_node", lambda device: calls.append(("bind", str(device))) or {0})
-    monkeypatch.setattr(runner, "current_dist", lambda kind: calls.append(("dist", kind)) or Dist())
+    monkeypatch.setattr(render_setup, "resolve_runtime", lambda *_: Runtime(torch.device("cuda"), torch.bfloat16))
+    monkeypatch.setattr(render_setup, "launched_by_torchrun", lambda: True)
+    monkeypatch.setattr(render_setup, "bind_to_gpu_node", lambda device: calls.append(("bind", str(device))) or {0})
+    monkeypatch.setattr(render_setup, "current_dist", lambda kind: calls.append(("dist", kind)) or Dist())
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     threads = torch.get_num_threads()
     spec = load_job(Path(__file__).parent.parent / "sample_inputs" / "job.yaml").spec
     try:
-        runtime, _ = runner.setup_runtime(spec)
+        runtime, _ = render_setup.setup_runtime(spec)
         assert calls == [("bind", "cuda:1"), ("dist", "cuda")] and runtime.device == torch.device("cuda", 1)
         assert torch.get_num_threads() == 1  # no more threads than the node's CPUs we may use
     finally:
@@ -366,7 +366,7 @@ def test_a_gpu_rank_binds_to_its_node_before_joining_the_process_group(monkeypat
     # More workers than GPUs (--nproc 8 on a 1-GPU host): a one-line input error, before any GPU call.
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(InputError, match="local rank 1 but only 1 GPU"):
-        runner.setup_runtime(spec)
+        render_setup.setup_runtime(spec)
 
 
 @pytest.mark.parametrize("mode", ["clip", "streaming"])
@@ -377,7 +377,8 @@ def test_wan_render_streaming_blocks_from_the_mapped_checkpoint_equals_the_resid
     checkpoint, one after another, and the frames are the resident render's. In both modes: the streaming forward
     runs each block through its parts, never calling the block, and the offloader enters it as the loop reaches it
     (a block not brought in would compute on its NaN placeholders)."""
-    from avatar_cli import runner
+    from avatar_cli import render as rendering
+    from avatar_cli.job import resolve
     from avatar_cli.families.registry import init_family_dir
     from avatar_cli.report import QuietReporter
     from avatar_cli.spec import load_job
@@ -394,8 +395,8 @@ def test_wan_render_streaming_blocks_from_the_mapped_checkpoint_equals_the_resid
     def render(name: str, *overrides: str, transfer=None, free=None):
         job = load_job(tmp_path / "job.yaml", ["runtime.dtype=float32", "runtime.text_cache=off", *overrides],
                        output=str(tmp_path / f"{name}.mp4"))
-        cache = runner.ModelCache(transfer=transfer, free_bytes=free)
-        return runner.render(runner.prepare(job), QuietReporter(0), models=cache), cache
+        cache = rendering.ModelCache(transfer=transfer, free_bytes=free)
+        return rendering.render(resolve(job), QuietReporter(0), models=cache), cache
 
     plain, _ = render("plain")
     t = HostTransfer()

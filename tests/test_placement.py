@@ -6,7 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from avatar_cli import runner
+from avatar_cli import render as rendering
+
+from avatar_cli.job import resolve
+
 from avatar_cli.report import QuietReporter
 from avatar_cli.runtime.offload import HostTransfer
 from avatar_cli.spec import load_job
@@ -15,13 +18,13 @@ GIB = 2**30
 
 
 def render(job_dir: Path, name: str, offload: str, transfer: HostTransfer | None, free_bytes: int | None = None
-           ) -> tuple[dict, runner.ModelCache]:
+           ) -> tuple[dict, rendering.ModelCache]:
     # The shipped model: its DiT has enough blocks that streaming them holds less than the whole DiT.
     # No text cache: the text encoder is placed too, and its prompt would be cached after the first render.
     job = load_job(job_dir / "job.yaml", ["model=mini", f"runtime.offload={offload}", "runtime.dtype=float32",
                                           "runtime.text_cache=off"], output=str(job_dir / f"{name}.mp4"))
-    cache = runner.ModelCache(transfer=transfer, free_bytes=free_bytes)
-    summary = runner.render(runner.prepare(job), QuietReporter(0), models=cache)
+    cache = rendering.ModelCache(transfer=transfer, free_bytes=free_bytes)
+    summary = rendering.render(resolve(job), QuietReporter(0), models=cache)
     return summary, cache
 
 

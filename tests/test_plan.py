@@ -143,7 +143,7 @@ def test_a_render_keeps_free_the_working_set_the_plan_counts(job: Path):
     r = p8.ranks[0]
     split, _ = resolve_parallel(j, j.source, 8)
 
-    class Resolved:  # what runner.render hands render_working_bytes: a ResolvedJob's fields
+    class Resolved:  # what the render hands render_working_bytes: a ResolvedJob's fields
         model, gen_size, world_size, parallel = j.source, (832, 448), 8, split
         decode = type("D", (), {"value": p8.decode})
     Resolved.job = j

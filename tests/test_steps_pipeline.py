@@ -76,10 +76,11 @@ def job(tmp_path_factory) -> Path:
 
 def render_here(job: Path, output: Path, resume: str = "never") -> dict:
     from avatar_cli.report import JsonReporter
-    from avatar_cli.runner import prepare, render
+    from avatar_cli.job import resolve
+    from avatar_cli.render import render
     from avatar_cli.spec import load_job
 
-    return render(prepare(load_job(job, [], str(output)), force=True), JsonReporter(io.StringIO()), resume=resume)
+    return render(resolve(load_job(job, [], str(output)), force=True), JsonReporter(io.StringIO()), resume=resume)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from avatar_cli import runner
+from avatar_cli import render as rendering
+
+from avatar_cli.job import resolve
+
 from avatar_cli.families.mini.family import MiniFamily
 from avatar_cli.families.registry import init_family_dir, load_modules, resolve_model
 from avatar_cli.prompts import store
@@ -55,8 +58,8 @@ def write_job(folder: Path, name: str, prompt: str, cache: str, model: Path) -> 
     return path
 
 
-def render(path: Path, models: runner.ModelCache | None = None, reporter: Notes | None = None) -> dict:
-    return runner.render(runner.prepare(load_job(path), force=True), reporter or Notes(), models)
+def render(path: Path, models: rendering.ModelCache | None = None, reporter: Notes | None = None) -> dict:
+    return rendering.render(resolve(load_job(path), force=True), reporter or Notes(), models)
 
 
 @pytest.fixture
@@ -93,7 +96,7 @@ def test_batch_of_n_jobs_with_k_prompts_encodes_k_times_and_frames_match(jobs, t
 
 def test_cached_job_does_not_load_the_text_encoder(jobs, tiny_model, count_encodes):
     cold = render(write_job(jobs, "cold", "smiling", "cache", tiny_model))
-    cache = runner.ModelCache()
+    cache = rendering.ModelCache()
     warm = render(write_job(jobs, "warm", "smiling", "cache", tiny_model), cache)
     (modules, _), = cache.loaded.values()
     assert "text" not in modules and {"dit", "vae", "sr", "audio"} <= set(modules)
@@ -333,7 +336,7 @@ def test_render_with_int8_weights_keys_its_prompt_by_them(jobs):
     wan = jobs / "wan"
     init_family_dir(wan, "tiny", family="wan-s2v")
     job = write_wan_job(jobs, wan)
-    runs = [runner.render(runner.prepare(load_job(job, [f"runtime.weights={w}"]), force=True), Notes())
+    runs = [rendering.render(resolve(load_job(job, [f"runtime.weights={w}"]), force=True), Notes())
             for w in ("int8", "bf16", "int8")]
     assert [r["text_cache"] for r in runs] == ["miss", "miss", "hit"]
     assert runs[0]["frames_digest"] == runs[2]["frames_digest"] != runs[1]["frames_digest"]

@@ -13,7 +13,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from avatar_cli import runner
+from avatar_cli import render as rendering
+
+from avatar_cli.job import resolve
+
 from avatar_cli.cli import app
 from avatar_cli.errors import InputError, RenderError
 from avatar_cli.families.registry import resolve_model
@@ -100,9 +103,9 @@ def test_service_encoding_equals_local_bit_for_bit(service, tiny_model, tmp_path
 
 
 def test_render_through_service_loads_no_text_encoder_and_matches_local(service, tiny_model, jobs):
-    local = runner.render(runner.prepare(load_job(write_job(jobs, "local", tiny_model, None))), Notes())
-    cache = runner.ModelCache()
-    remote = runner.render(runner.prepare(load_job(write_job(jobs, "remote", tiny_model, service.url, "cache"))),
+    local = rendering.render(resolve(load_job(write_job(jobs, "local", tiny_model, None))), Notes())
+    cache = rendering.ModelCache()
+    remote = rendering.render(resolve(load_job(write_job(jobs, "remote", tiny_model, service.url, "cache"))),
                            Notes(), cache)
     (modules, _), = cache.loaded.values()
     assert "text" not in modules and {"dit", "vae", "sr", "audio"} <= set(modules)
@@ -122,27 +125,27 @@ def test_service_down_is_exit_2_at_validation_and_1_during_a_render(tiny_model, 
     running = serve(Path("mini"))
     try:
         with pytest.raises(InputError, match="serves another model") as garbage:
-            runner.prepare(load_job(write_job(jobs, "other", tiny_model, running.url)))
+            resolve(load_job(write_job(jobs, "other", tiny_model, running.url)))
         assert garbage.value.exit_code == 2 and running.url in str(garbage.value)
     finally:
         running.stop()
 
     # Up at validation, gone when the render asks: exit 1 naming the URL, nothing written at the output.
     running = serve(tiny_model)
-    prepared = runner.prepare(load_job(write_job(jobs, "killed", tiny_model, running.url)))
+    prepared = resolve(load_job(write_job(jobs, "killed", tiny_model, running.url)))
     running.stop()
     with pytest.raises(RenderError) as failed:
-        runner.render(prepared, Notes())
+        rendering.render(prepared, Notes())
     assert failed.value.exit_code == 1 and running.url in str(failed.value) and "2 attempts" in str(failed.value)
     assert not prepared.job.output.exists()
 
     # fallback: true: a note, the encoder loaded here, the same video as a local render.
     notes = Notes()
-    fell_back = runner.render(runner.prepare(load_job(write_job(jobs, "fallback", tiny_model, down, fallback=True))),
+    fell_back = rendering.render(resolve(load_job(write_job(jobs, "fallback", tiny_model, down, fallback=True))),
                               notes)
     said = [n for n in notes.notes if down in n]
     assert len(said) == 1 and "encoding the prompt here instead" in said[0] and fell_back["text_cache"] == "miss"
-    local = runner.render(runner.prepare(load_job(write_job(jobs, "local", tiny_model, None))), Notes())
+    local = rendering.render(resolve(load_job(write_job(jobs, "local", tiny_model, None))), Notes())
     assert fell_back["frames_digest"] == local["frames_digest"]
 
 
@@ -280,8 +283,8 @@ def test_without_the_extra_a_named_service_says_how_to_install_it(monkeypatch, t
     for name in ("avatar_cli.service.text_client", "avatar_cli.service.text_server"):
         monkeypatch.delitem(sys.modules, name)  # imported afresh, so they meet the missing packages
     with pytest.raises(InputError, match=r"needs httpx.*pip install 'avatar-cli\[service\]'"):
-        runner.prepare(load_job(write_job(jobs, "named", tiny_model, "http://127.0.0.1:9")))
-    runner.prepare(load_job(write_job(jobs, "unnamed", tiny_model, None)))  # no service named: nothing needed
+        resolve(load_job(write_job(jobs, "named", tiny_model, "http://127.0.0.1:9")))
+    resolve(load_job(write_job(jobs, "unnamed", tiny_model, None)))  # no service named: nothing needed
     served = CliRunner().invoke(app, ["serve", "text", "mini"])
     assert served.exit_code == 2 and "pip install 'avatar-cli[service]'" in served.output
 
@@ -329,9 +332,9 @@ def test_a_service_with_quantized_weights_serves_only_jobs_with_those_weights(jo
 
         # Validation (job.resolve): the bf16 job is exit 2, naming the URL and both; the int8 job passes.
         with pytest.raises(InputError, match=r"float32\+int8.*this job: 'float32'") as refused:
-            runner.prepare(load_job(write_wan_job(jobs, "bf16", wan, running.url, "bf16")))
+            resolve(load_job(write_wan_job(jobs, "bf16", wan, running.url, "bf16")))
         assert refused.value.exit_code == 2 and running.url in str(refused.value)
-        runner.prepare(load_job(write_wan_job(jobs, "int8", wan, running.url, "int8")))
+        resolve(load_job(write_wan_job(jobs, "int8", wan, running.url, "int8")))
 
         # During a render (the prompt step's read): the 409 is the render's failure, or with fallback a note.
         service = load_job(write_wan_job(jobs, "late", wan, running.url, "bf16")).spec.runtime.text_service

@@ -73,14 +73,14 @@ def test_family_defaults_apply_under_the_job(wan_job: Path):
 
 def test_transitions_and_bad_sizes_are_spec_errors(wan_job: Path):
     from avatar_cli.errors import InputError
-    from avatar_cli.runner import prepare
+    from avatar_cli.job import resolve
     from avatar_cli.spec import load_job
 
     for override, words in (("chunking.frames=78", "multiple of 4"),
                             ("video.width=72", "multiples of 16"),
                             ("video.width=48", "at least 64")):
         with pytest.raises(InputError, match=words):
-            prepare(load_job(wan_job / "job.yaml", [override]))
+            resolve(load_job(wan_job / "job.yaml", [override]))
     # Through the CLI: one line, exit 2, no traceback.
     result = cli("validate", str(wan_job / "job.yaml"), "chunking.transitions=true")
     assert result.returncode == 2 and "no I chunks" in result.stderr and "Traceback" not in result.stderr

@@ -279,12 +279,13 @@ def write_job(folder: Path, wan_dir: Path, seconds: float = SECONDS) -> Path:
 
 def render_in_process(job: Path, family_class: type, overrides: list[str] = ()) -> dict:
     from avatar_cli.report import JsonReporter
-    from avatar_cli.runner import prepare, render
+    from avatar_cli.job import resolve
+    from avatar_cli.render import render
     from avatar_cli.spec import load_job
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(registry.ModelSource, "config_family", family_of(family_class))
-        p = prepare(load_job(job, list(overrides)), force=True)
+        p = resolve(load_job(job, list(overrides)), force=True)
         t0 = time.perf_counter()
         done = render(p, JsonReporter(io.StringIO()))
     done["start"] = t0

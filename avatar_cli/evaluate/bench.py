@@ -1,7 +1,7 @@
 """`evaluate`: render held-out identities with held-out speech through the real pipeline and score them.
 
 Identities come from `EVAL_IDENTITY_SEEDS`, speech from seeds >= `HELDOUT_AUDIO_SEED_START`: never trained on.
-Every render goes through `runner.prepare` (job.resolve) / `runner.render` on a generated job file, as `avatar render`
+Every render goes through `job.resolve` / `render.render` on a generated job file, as `avatar render`
 does.
 """
 
@@ -19,7 +19,10 @@ import av
 import numpy as np
 import torch
 
-from avatar_cli import runner
+from avatar_cli import render as rendering
+
+from avatar_cli.job import resolve
+
 from avatar_cli.evaluate import metrics as M
 from avatar_cli.media.image import save_png
 from avatar_cli.families.registry import load_modules, resolve_model
@@ -56,7 +59,7 @@ def write_wav(path: Path, audio: np.ndarray) -> None:
 
 
 class Renderer:
-    """Writes inputs and a job file into a temp folder and renders them through the runner."""
+    """Writes inputs and a job file into a temp folder and renders them through avatar_cli.render."""
 
     def __init__(self, model: str, work: Path, steps: int, seed: int, image_size: int, guidance: float = 1.0):
         self.model, self.work, self.steps, self.seed, self.size = model, work, steps, seed, image_size
@@ -77,8 +80,8 @@ class Renderer:
             f"prompt: \"{prompt}\"\nsampling:\n  steps: {self.steps}\n  guidance: {self.guidance}\nvideo:\n  crf: 12\n"
             f"chunking:\n  transitions: {str(transitions).lower()}\n")
         t0 = time.perf_counter()
-        p = runner.prepare(load_job(d / "job.yaml"), force=True)
-        done = runner.render(p, QuietReporter(0))
+        p = resolve(load_job(d / "job.yaml"), force=True)
+        done = rendering.render(p, QuietReporter(0))
         wall = time.perf_counter() - t0
         frames = []
         with av.open(str(d / "out.mp4")) as c:

@@ -21,20 +21,50 @@ class Sink(Protocol):
     def abort(self) -> object: ...  # after a failure: stop, keeping what is written
 
 
+def now() -> float:
+    """The clock every first-frame and latency figure reads: time.monotonic, system-wide (CLOCK_MONOTONIC on
+    Linux), so a decode worker's times and a live source's arrival times are on it too."""
+    return time.monotonic()
+
+
+class FrameClock:
+    """When frames were handed to the outputs (`now()`): the first frame's time, and for each of the last KEEP puts
+    the count of frames handed so far -> when that put returned (bounded: a session may run for days)."""
+
+    KEEP = 256
+
+    def __init__(self) -> None:
+        self.first: float | None = None
+        self.frames = 0
+        self.put_at: dict[int, float] = {}
+
+    def tick(self, n: int) -> None:
+        t = now()
+        self.first = self.first if self.first is not None else t
+        self.frames += n
+        self.put_at[self.frames] = t
+        if len(self.put_at) > self.KEEP:
+            del self.put_at[next(iter(self.put_at))]  # the oldest
+
+
 class HashingSink:
     """A Sink in front of another: the sha256 of the uint8 pixels put since the last `take_digest` (to prove a
-    resumed render bit-identical), and when the first frame passed (perf_counter, the render's first frame)."""
+    resumed render bit-identical), and the frame clock: when each put reached the Sink (the render's first frame,
+    a live session's latencies)."""
 
     def __init__(self, sink: Sink):
         self.sink = sink
         self.hash = hashlib.sha256()
-        self.first_put: float | None = None
+        self.clock = FrameClock()
+
+    @property
+    def first_put(self) -> float | None:
+        return self.clock.first
 
     def put(self, frames: np.ndarray) -> None:
-        if self.first_put is None:
-            self.first_put = time.perf_counter()
         self.hash.update(np.ascontiguousarray(frames).tobytes())
         self.sink.put(frames)
+        self.clock.tick(len(frames))
 
     def take_digest(self) -> str:
         """The digest of the frames put since the last call (or since the start); the next stretch starts empty."""

@@ -5,14 +5,13 @@ out. `PublishHere` decodes in this process (the DecodePublish stage) into a Sink
 (stages/decode_worker.py) decodes in a process of its own. The loop never asks which one it has.
 """
 
-import time
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 from avatar_cli.families.base import Final, RollingState, Step
-from avatar_cli.media.sink import EMPTY_DIGEST, HashingSink, Sink
+from avatar_cli.media.sink import EMPTY_DIGEST, FrameClock, HashingSink, Sink
 from avatar_cli.pipeline.events import Stretch
 from avatar_cli.stages.base import Stage
 
@@ -55,8 +54,8 @@ class Publisher(Protocol):
     """What the chunk loop hands final latents to, wherever they are decoded.
 
     needs: the components `publish` runs in this process (none: it decodes elsewhere, or not at all); the loop
-    brings them onto the device around it and times it as the decode step. first_put: perf_counter when the first
-    frame reached the Sink (None: none yet). seconds: compute seconds it measured itself, added to the loop's.
+    brings them onto the device around it and times it as the decode step. first_put: when the first
+    frame reached the Sink (media/sink.py `now()`) (None: none yet). seconds: compute seconds it measured itself, added to the loop's.
     """
 
     needs: tuple[str, ...]
@@ -84,14 +83,21 @@ class PublishHere:
         self.hashing = HashingSink(sink) if sink is not None else None
         self.decodes = sink is not None or stage.family.decode_feeds_back
         self.needs = stage.needs if self.decodes else ()
-        self.first_put: float | None = None
         self.seconds: dict[str, float] = {}
+
+    @property
+    def first_put(self) -> float | None:
+        """When the first frame reached the Sink (media/sink.py `now()`); None: none yet, or a rank that writes
+        nothing."""
+        return self.hashing.first_put if self.hashing is not None else None
+
+    @property
+    def clock(self) -> FrameClock | None:
+        return self.hashing.clock if self.hashing is not None else None
 
     def publish(self, final: Final, next_chunk: int, state: RollingState) -> list[Stretch]:
         n = self.stage.run(final, state, self.hashing, self.size) if self.decodes else final.frames
         state.published += n
-        if self.first_put is None:
-            self.first_put = time.perf_counter()
         digest = self.hashing.take_digest() if self.hashing is not None else EMPTY_DIGEST
         return [Stretch(next_chunk, state.published - n, state.published, digest, state)]
 

@@ -10,7 +10,10 @@ import json
 import sys
 from pathlib import Path
 
-from avatar_cli import runner
+from avatar_cli import render as rendering
+
+from avatar_cli.job import resolve
+
 from avatar_cli.report import QuietReporter
 from avatar_cli.runtime.distributed import shutdown_distributed
 from avatar_cli.runtime.offload import HostTransfer
@@ -18,18 +21,18 @@ from avatar_cli.spec import load_job
 from common import exit_now
 
 
-def render(job: Path, name: str, offload: str, cache: runner.ModelCache) -> dict:
+def render(job: Path, name: str, offload: str, cache: rendering.ModelCache) -> dict:
     # No text cache: the text encoder is sharded and offloaded too (a cached prompt would leave it unloaded).
     spec = load_job(job, [f"runtime.offload={offload}", "runtime.dtype=float32", "runtime.text_cache=off"],
                     output=str(job.parent / name))
-    return runner.render(runner.prepare(spec, force=True), QuietReporter(0), models=cache)
+    return rendering.render(resolve(spec, force=True), QuietReporter(0), models=cache)
 
 
 def main() -> int:
     job = Path(sys.argv[1])
-    plain = render(job, "plain.mp4", "none", runner.ModelCache())
+    plain = render(job, "plain.mp4", "none", rendering.ModelCache())
     t = HostTransfer()
-    cache = runner.ModelCache(transfer=t, free_bytes=1 << 30)
+    cache = rendering.ModelCache(transfer=t, free_bytes=1 << 30)
     off = render(job, "offload.mp4", "block", cache)
     (modules, placement), = cache.loaded.values()
     fsdp_offload = {name: all(fp.offload_to_cpu for fp in _fsdp_params(model)) and bool(_fsdp_params(model))

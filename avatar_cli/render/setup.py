@@ -1,0 +1,254 @@
+"""What a file render and a live session share before their one loop: the runtime on this rank, the output lock,
+the models loaded and placed, the pipeline built.
+
+    with opened(p, reporter) as job:          # runtime, ranks checked, the output locked
+        ...                                   # the caller's own: a resume point, the outputs it writes to
+        built = build(p, job, reporter, models, live=...)   # text cache, rings, working set, models, pipeline
+
+Everything a render and a session both need is here, once; what differs (the source, the sinks, resume) goes in
+as arguments or stays with the caller (render/file.py, render/live.py).
+"""
+
+import contextlib
+import logging
+import os
+from collections.abc import Collection, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from avatar_cli.errors import InputError, RenderError
+from avatar_cli.families.registry import ModelSource, load_modules
+from avatar_cli.job import ResolvedJob, Split
+from avatar_cli.modules.module import Module
+from avatar_cli.pipeline import checkpoint as ckpt
+from avatar_cli.pipeline.run import Pipeline
+from avatar_cli.pipeline.steps import rank_skips
+from avatar_cli.plan import render_rings, render_working_bytes
+from avatar_cli.prompts import cache as prompt_cache
+from avatar_cli.prompts.cache import PromptCache
+from avatar_cli.report import Reporter
+from avatar_cli.runtime.device import Runtime, dtype_name, resolve_runtime, set_cpu_threads
+from avatar_cli.runtime.distributed import Dist, current_dist, launched_by_torchrun
+from avatar_cli.runtime.numa import bind_to_gpu_node
+from avatar_cli.runtime.offload import Transfer, host_available
+from avatar_cli.runtime.placement import Placement, place, plan_for
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Built", "ModelCache", "Opened", "build", "opened", "setup_runtime"]
+
+
+@dataclass
+class ModelCache:
+    """Jobs of a batch that share a model load (and place) it once: the key holds everything that changes what is
+    loaded or where it is placed.
+
+    transfer, free_bytes: the device behind offload, when not CUDA's (tests: the CPU standing in).
+    """
+
+    loaded: dict[tuple, tuple[dict[str, Module], Placement]] = field(default_factory=dict)
+    transfer: Transfer | None = None
+    free_bytes: int | None = None
+
+    @staticmethod
+    def key(source: ModelSource, runtime: Runtime, rt_spec, split: Split, rings: str) -> tuple:
+        return (source.fingerprint, str(runtime.device), str(runtime.dtype), rt_spec.offload.value,
+                rt_spec.reshard.value, rt_spec.shard.value, rt_spec.weights.value, rt_spec.vae_dtype.value,
+                rt_spec.offload_host.value, split.value, rings)
+
+    def get(self, source: ModelSource, runtime: Runtime, dist: Dist, rt_spec, reporter: Reporter, *,
+            split: Split = Split.sequence, rings: str = "device", skip: Collection[str] = (),
+            working_bytes: int | None = None) -> tuple[dict[str, Module], Placement]:
+        """split: how the job's ranks split its work; rings: where its key/value rings live. skip: components this
+        job does not need loaded (its prompt is in the text cache); a set that lacks what a later job needs gets just
+        those loaded and placed beside it. working_bytes: device memory the layout keeps free for state and
+        activations (None: placement's default reserve)."""
+        key = self.key(source, runtime, rt_spec, split, rings)
+        if key not in self.loaded:
+            if not source.trained:
+                reporter.info(f"note: model '{source.name}' has no trained weights yet: a seeded random init stands "
+                              "in, so the video shows noise, not a face")
+            self.loaded.clear()  # keep one model set resident, not one per model ever used
+            self.loaded[key] = ({}, Placement())
+        modules, placement = self.loaded[key]
+        wanted = [n for n in source.family.components if n not in skip and n not in modules]
+        if wanted:
+            unwanted = [n for n in source.family.components if n not in wanted]
+            more = load_modules(source, skip=unwanted) if unwanted else load_modules(source)
+            added = place(more, runtime, dist, rt_spec.offload.value, rt_spec.reshard.value, transfer=self.transfer,
+                          free_bytes=self.free_bytes,
+                          plan=plan_for(source.family.parallel.with_dtype("vae", rt_spec.vae_dtype.value), more),
+                          shard=rt_spec.shard.value, weights=rt_spec.weights.value,
+                          offload_host=rt_spec.offload_host.value,
+                          **({} if working_bytes is None else {"working_bytes": working_bytes}))
+            if modules:  # beside a placed set: the stages look each component up by name in either
+                placement.offloaders.update(added.offloaders)
+                placement.sharded.update(added.sharded)
+            else:
+                placement = added
+            modules.update(more)
+            self.loaded[key] = (modules, placement)
+        return modules, placement
+
+
+def setup_runtime(spec, runtime: Runtime | None = None) -> tuple[Runtime, Dist]:
+    """The job's runtime (resolved with the job; resolved here when not given) on this rank's device, and (under
+    torchrun) the process group; on a GPU, bind to its NUMA node first. Which CUDA device a rank drives is known
+    only now, in the process that renders.
+
+    The binding comes before the process group: NCCL, initialized eagerly for our device, allocates its
+    own pinned host buffers, and those too should sit on the GPU's node.
+    """
+    rt = spec.runtime
+    if runtime is None:
+        runtime = resolve_runtime(rt.device.value, rt.dtype.value, rt.threads)
+    elif not runtime.is_cuda:
+        set_cpu_threads(rt.threads)  # this job's count, whatever another job resolved since
+    if runtime.is_cuda:
+        index = int(os.environ["LOCAL_RANK"]) if launched_by_torchrun() else torch.cuda.current_device()
+        if index >= torch.cuda.device_count():
+            raise InputError(f"runtime: this worker is local rank {index} but only {torch.cuda.device_count()} "
+                             "GPU(s) are visible: start at most one process per GPU (--nproc)")
+        runtime = Runtime(torch.device("cuda", index), runtime.dtype, runtime.dtype_reason)
+        cpus = bind_to_gpu_node(runtime.device)
+        if cpus and spec.runtime.threads <= 0:
+            torch.set_num_threads(min(torch.get_num_threads(), len(cpus)))  # no more threads than our CPUs
+    dist = current_dist(runtime.device.type)
+    return runtime, dist
+
+
+@dataclass
+class Opened:
+    """A job opened on this rank: its runtime and process group, and the frame count every rank agreed on."""
+
+    runtime: Runtime
+    dist: Dist
+    frames: int
+
+    @property
+    def main(self) -> bool:
+        return self.dist.is_main
+
+
+def make_output_folder(output: Path) -> None:
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise InputError(f"output: cannot create folder {output.parent} ({e.strerror})") from None
+
+
+def lock_path(p: ResolvedJob) -> Path | None:
+    """Where the output lock of this job goes: beside the partial file of an output on disk (an MP4, an HLS
+    playlist); None for a stream (stdout, a URL), which nothing else renders into."""
+    out = p.job.output
+    return p.job.partial_output if isinstance(out, Path) else None
+
+
+@contextlib.contextmanager
+def opened(p: ResolvedJob, reporter: Reporter) -> Iterator[Opened]:
+    """The runtime on this rank and the ranks checked (their count, the frame count), then the output locked for
+    as long as the job runs: one render or session per output at a time, every rank stopping alike before any
+    work when another process holds it."""
+    spec = p.job.spec
+    runtime, dist = setup_runtime(spec, p.runtime)
+    frames = dist.agree(p.frames, "the frame count")
+    if dist.world_size != p.world_size:
+        raise RenderError(f"the job was resolved for {p.world_size} rank(s) but runs on {dist.world_size}")
+    if dist.is_main and dist.enabled:
+        reporter.info(f"parallel: {p.parallel.value} ({p.parallel_why})")
+    if dist.is_main and p.transitions_why:
+        reporter.info(f"transitions: {'on' if spec.chunking.transitions else 'off'} ({p.transitions_why})")
+    path = lock_path(p)
+    lock = ckpt.OutputLock(path) if path is not None else None
+    if dist.is_main and path is not None:
+        make_output_folder(path)  # the lock file lives beside the output
+    busy = dist.broadcast_object(lock.acquire() if dist.is_main and lock is not None else None)
+    if busy:
+        raise InputError(f"output: {p.job.output}: {busy}; wait for it to finish or stop it")
+    try:
+        yield Opened(runtime, dist, frames)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+@dataclass
+class Built:
+    """The models loaded and placed, and the pipeline over them, for one job on this rank."""
+
+    pipeline: Pipeline
+    placement: Placement
+    modules: dict[str, Module]
+    prompts: PromptCache | None
+    text_cache: str  # prompts/cache.py `outcome`: hit | service | miss | off
+    image: torch.Tensor  # (3, H, W) in [-1, 1]: the reference at the family's native size
+
+
+def rings_folder(p: ResolvedJob) -> Path:
+    """runtime.rings: disk: a scratch file beside the output (a stream's: in the working folder), on its disk, not
+    a RAM-backed /tmp."""
+    out = p.job.output
+    return out.parent if isinstance(out, Path) and not p.job.live else Path.cwd()
+
+
+def place_rings(p: ResolvedJob, runtime: Runtime, skip: Collection[str] = ()) -> tuple[str, str | None]:
+    """`runtime.rings` for this job, decided before placement as `avatar plan` decides it: where they live
+    (device | host | disk) and why (None: the family keeps no rings). Rings in host memory the host cannot hold
+    are exit 2 now, not an allocation failure blocks later."""
+    free = torch.cuda.mem_get_info(runtime.device)[0] if runtime.is_cuda else None
+    avail = host_available()
+    got = render_rings(p, runtime, free, avail, skip)
+    at, why = got if got is not None else ("device", None)
+    if at == "host":
+        need = p.model.family.resume_bytes(p.gen_size, p.job.spec.sampling.steps)
+        if avail is not None and need > avail:
+            raise InputError(f"runtime.rings: host: the key/value rings need {need / 1e9:.1f} GB of host memory, "
+                             f"{avail / 1e9:.1f} GB is available (runtime.rings: disk keeps them in a file)")
+    return at, why
+
+
+def working_bytes(p: ResolvedJob, runtime: Runtime, dist: Dist, models: ModelCache, rings: str) -> int | None:
+    """Where placement chooses from free device memory (a GPU, or the CPU standing in for one), the state and
+    activations it keeps free: counted on the meta device for this job, as `avatar plan` counts them, so a render
+    and its plan choose the same layout. None: the family has no budget (placement's default reserve)."""
+    rt = p.job.spec.runtime
+    if not (runtime.is_cuda or models.transfer is not None) or "auto" not in (rt.offload.value, rt.shard.value):
+        return None
+    working = render_working_bytes(p, runtime, dist.rank, rings != "device")
+    if working is not None:
+        log.info("placement: %.1f GB kept free for state and activations (counted on the meta device)",
+                 working / 1e9)
+    return working
+
+
+def build(p: ResolvedJob, job: Opened, reporter: Reporter, models: ModelCache | None = None) -> Built:
+    """Load and place the job's models (those its text cache and its rank's role leave out excepted) and build the
+    pipeline over them; then say what the job resolved (its warnings, the dtype auto chose)."""
+    spec, runtime, dist, family = p.job.spec, job.runtime, job.dist, p.model.family
+    # A prompt found in the text cache: its encoder is neither loaded nor placed.
+    prompts = prompt_cache.job_prompts(spec.runtime.text_cache, p.job.path.parent, p.model, runtime.dtype,
+                                       reporter.info, write=job.main, service=spec.runtime.text_service,
+                                       weights=spec.runtime.weights.value)
+    cached = prompt_cache.ready(prompts, spec.prompt, runtime.device, dist)
+    # The timestep pipeline: each rank loads what its role runs and places it alone (nothing is sharded).
+    steps = p.parallel == Split.steps
+    absent = rank_skips(family, dist.rank) if steps else set()
+    skip = {*prompt_cache.skipped(prompts, spec.prompt), *absent}
+    rings, rings_why = place_rings(p, runtime, skip)
+    if job.main and rings_why is not None:
+        reporter.info(f"rings: {rings} ({rings_why})")
+    family.rings_at, family.rings_folder = rings, rings_folder(p)
+    models = models if models is not None else ModelCache()
+    modules, placement = models.get(p.model, runtime, Dist() if steps else dist, spec.runtime, reporter,
+                                    split=p.parallel, rings=rings, skip=skip,
+                                    working_bytes=working_bytes(p, runtime, dist, models, rings))
+    pipeline = Pipeline(modules, family, runtime, placement, prompts=prompts, steps_dist=dist if steps else None,
+                        absent=absent)
+    image = family.fit_reference(p.image, *p.gen_size)  # (3, H, W) in [-1, 1]
+    for warning in p.warnings if job.main else []:
+        reporter.info(warning)
+    if job.main and spec.runtime.dtype.value == "auto":
+        reporter.info(f"dtype: {dtype_name(runtime.dtype)} ({runtime.dtype_reason})")
+    return Built(pipeline, placement, modules, prompts, prompt_cache.outcome(prompts, cached), image)
