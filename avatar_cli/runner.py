@@ -30,11 +30,11 @@ from avatar_cli.pipeline.fingerprint import describe_change, job_fingerprint
 from avatar_cli.pipeline.events import ChunkDone, ResumeFrom, Stretch
 from avatar_cli.pipeline.run import Pipeline
 from avatar_cli.pipeline.steps import rank_skips
-from avatar_cli.plan import render_rings, render_working_bytes
 from avatar_cli.prompts import cache as prompt_cache
 from avatar_cli.report import Reporter, peak_rss_mb
 from avatar_cli.runtime.device import Runtime, cpu_info, dtype_name, resolve_runtime, set_cpu_threads
 from avatar_cli.runtime.distributed import Dist, current_dist, launched_by_torchrun
+from avatar_cli.runtime.job_budget import render_rings, render_working_bytes
 from avatar_cli.runtime.numa import bind_to_gpu_node
 from avatar_cli.runtime.offload import Transfer, host_available
 from avatar_cli.runtime.placement import Placement, place, plan_for
