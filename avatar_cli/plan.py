@@ -9,42 +9,44 @@ kind of input:
 - where the blocks wait under block offload: runtime/offload.py host_tier_choice;
 - where the decode runs: job.resolve_decode (stages/decode_worker.py choose);
 - the text encoder: the job's runtime.text_service and runtime.text_cache, as prompts/cache.py reads them.
+- the working set each rank keeps free, and where the rings wait: runtime/job_budget.py, which the render calls too.
 The sizes, activation peaks and FLOPs come from the family's budget (runtime/budget.py), every model built on the
-meta device at full size (families/wan_s2v/budget.py): no weights, no GPU. What a GPU would do with them (its peak
-FLOP/s, the link to the host) is an assumption, printed with the figures: the card's vendor peak at a utilisation
-(`--util`, default 40 %).
+meta device at full size (families/wan_s2v/budget.py): no weights, no GPU; a job's `dit:` file is counted in the
+format it is stored in, from its header. What a GPU would do with them (its peak FLOP/s, the link to the host) is
+an assumption, printed with the figures: the card's vendor peak at a utilisation (`--util`, default 40 %), from the
+catalogue gpus.toml.
 
 A job names its model as for a render (a model directory), or by the release's size (`model: wan-s2v-14b`, or
 `--model wan-s2v-14b` here): someone with no weights yet plans against the size they would download.
 """
 
-import math
+import functools
 import re
+import tomllib
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
+from importlib import resources
 
 import torch
 
 from avatar_cli.errors import InputError
 from avatar_cli.families.base import Step
-from avatar_cli.families.registry import resolve_model, with_mode
+from avatar_cli.families.registry import resolve_model, with_dit, with_mode
 from avatar_cli.job import Split, resolve_decode, resolve_parallel
 from avatar_cli.pipeline.steps import rank_skips
-from avatar_cli.runtime.budget import Budget, ModelBytes
+from avatar_cli.runtime.budget import GB, HOST_RESERVE, Budget, ModelBytes, rings_place
 from avatar_cli.runtime.device import Runtime, auto_dtype
+from avatar_cli.runtime.job_budget import job_budget, job_working_set
 from avatar_cli.runtime.offload import host_tier_choice
 from avatar_cli.runtime.placement import Layout, choose_layout, plan_for
 from avatar_cli.spec import Job
 
-GB = 1e9
 GIB = 2**30
 CUDA_CONTEXT = 1 * GB  # the CUDA context and cuBLAS/cuDNN workspaces: held on every GPU before any tensor
-HOST_RESERVE = 4 * GB  # the process itself, its libraries, the audio and the encoder: not counted below
 
 
 @dataclass(frozen=True)
 class Card:
-    """What the speed figures assume of a GPU: vendor figures, not measurements."""
+    """What the speed figures assume of a GPU: vendor figures, not measurements (gpus.toml says each one's)."""
 
     name: str
     bf16_tflops: float  # dense bf16 tensor-core peak
@@ -52,16 +54,21 @@ class Card:
     peer_gbs: float  # GPU <-> GPU for all-gathers and all-to-alls, GB/s one way
 
 
-# Keyed by memory (GiB): the card a plan for that size assumes unless told otherwise (--tflops, --link-gbs).
-CARDS = {
-    24: Card("RTX 4090 (24 GB, PCIe 4.0, no peer-to-peer)", 165.2, 25.0, 12.0),
-    32: Card("RTX 5090 (32 GB, PCIe 5.0)", 209.5, 50.0, 25.0),
-    40: Card("A100 40GB SXM", 312.0, 25.0, 300.0),
-    48: Card("L40S (48 GB, PCIe 4.0)", 362.0, 25.0, 12.0),
-    80: Card("H100 SXM (80 GB, NVLink 4)", 989.0, 50.0, 450.0),
-    141: Card("H200 SXM (141 GB, NVLink 4)", 989.0, 50.0, 450.0),
-}
-DISK_GBS = 3.0  # an NVMe SSD's sequential read: the mmap tier's rate when the page cache cannot hold the blocks
+@functools.cache
+def catalogue() -> dict:
+    """The package's gpus.toml: {"cards": {GiB: Card}, "unknown": {links of a card given by --tflops}, "disk_gbs"}."""
+    data = tomllib.loads(resources.files("avatar_cli").joinpath("gpus.toml").read_text(encoding="utf-8"))
+    return {"cards": {int(gib): Card(**c) for gib, c in data["cards"].items()}, "unknown": data["unknown"],
+            "disk_gbs": float(data["disk_gbs"])}
+
+
+def cards() -> dict[int, Card]:
+    """The cards a plan knows, keyed by memory (GiB): the one a plan for that size assumes unless told otherwise
+    (--tflops, --link-gbs)."""
+    return catalogue()["cards"]
+
+
+DISK_GBS = catalogue()["disk_gbs"]
 
 
 @dataclass(frozen=True)
@@ -96,12 +103,13 @@ def machine(gpus: str, host_memory: str | None = None, tflops: float | None = No
     if not m or int(m.group(1)) < 1:
         raise InputError(f"--gpus: '{gpus}': expected COUNTxSIZE, such as 1x24GB or 8x80GB")
     n, size = int(m.group(1)), parse_size(m.group(2), "--gpus")
-    card = CARDS.get(round(size / GIB))
+    known = cards()
+    card = known.get(round(size / GIB))
     if card is None:
         if tflops is None:
-            raise InputError(f"--gpus: no card of {size / GIB:g} GB is known here ({', '.join(f'{k}GB' for k in CARDS)}"
+            raise InputError(f"--gpus: no card of {size / GIB:g} GB is known here ({', '.join(f'{k}GB' for k in known)}"
                              "): give its bf16 peak with --tflops")
-        card = Card(f"a {size / GIB:g} GB card", tflops, 25.0, 12.0)
+        card = Card(f"a {size / GIB:g} GB card", tflops, **catalogue()["unknown"])
     if tflops is not None or link_gbs is not None:
         card = replace(card, name=card.name + " (figures as given)", bf16_tflops=tflops or card.bf16_tflops,
                        peer_gbs=link_gbs or card.peer_gbs)
@@ -153,6 +161,7 @@ class Plan:
     host_tier: str
     host_tier_why: str
     ranks: list[RankPlan]
+    model_bytes: dict[str, int]  # each model's weights as a render holds them (a `dit:` file's in its own format)
     gpu_bytes: int  # the fullest GPU
     gpu_capacity: int
     host_bytes: int  # host memory the layout needs (with HOST_RESERVE)
@@ -168,8 +177,11 @@ class Plan:
 
 
 def plan_source(job: Job):
-    """The job's model in its mode (a size name resolves too: `model: wan-s2v-14b`); no LoRA file is opened."""
+    """The job's model in its mode (a size name resolves too: `model: wan-s2v-14b`), with its `dit:` file (its header
+    checked against the DiT, as a render checks it); no LoRA file is opened."""
     source = job.source if job.source is not None else resolve_model(job.model, job.path.parent)  # says why not
+    if job.dit is not None:
+        source = with_dit(source, job.dit, job.spec.runtime.weights.value)
     return with_mode(source, job.spec.mode)
 
 
@@ -205,6 +217,7 @@ def _rank(role: str, count: int, sizes: dict[str, ModelBytes], job: Job, family,
           state: int, work: int, worker: int = 0) -> tuple[RankPlan, Layout]:
     rt = job.spec.runtime
     quantized = [n for n, _ in family.parallel.quantized] if rt.weights.value != "bf16" else []
+    quantized += [n for n, s in sizes.items() if s.stored_quantized and n not in quantized]  # as placement counts
     layout = choose_layout(sizes, plan_for(family.parallel, sizes), world, free, state + work + worker,
                            rt.offload.value, rt.shard.value, rt.reshard.value, unshardable=quantized)
     return RankPlan(role, count, sorted(sizes), list(layout.sharded), layout.offload, layout.shard_why,
@@ -231,6 +244,8 @@ def _host_tier(job: Job, m: Machine, ranks: list[RankPlan], sizes: dict[str, Mod
         mappable = f"runtime.weights: {job.spec.runtime.weights.value} quantizes the weights at load"
     elif not blocked:
         mappable = "no model is streamed block by block"
+    elif "dit" in sizes and sizes["dit"].stored_quantized:
+        mappable = f"dit: {job.dit}: its quantized weights are read whole at load, not mapped from the file"
     setting = job.spec.runtime.offload_host.value
     if not blocked and setting == "auto":
         tier, why = ("pinned", "idle models wait in pinned host memory") if total_pinned else ("", "nothing offloaded")
@@ -311,81 +326,6 @@ def _speed(b: Budget, m: Machine, util: float, p_split: str, decode: str, ranks:
                    "(the next clip waits on them)"}
 
 
-def job_budget(job: Job, source, size: tuple[int, int], dtype: torch.dtype) -> Budget:
-    """The family's budget for this job's settings: its mode, frame size, steps and guidance, `runtime.weights`, and
-    the VAE's dtype as placement gives it (`runtime.vae_dtype`)."""
-    rt, sp, family = job.spec.runtime, job.spec.sampling, source.family
-    pp = family.parallel.with_dtype("vae", rt.vae_dtype.value)
-    vae_dtype = torch.float32 if "vae" in pp.float32 else torch.bfloat16 if "vae" in pp.bfloat16 else dtype
-    return source.spec.budget(source.config, source.mode, size, dtype, sp.steps, sp.guidance, rt.weights.value,
-                              vae_dtype)
-
-
-def rings_place(setting: str, world: int, need: int, free: int | None, rings: int, host_free: int | None
-                ) -> tuple[str, str]:
-    """`runtime.rings` -> ("device" | "host" | "disk", why). need: the device bytes of this rank's models and working
-    set with the rings on the device; free: the device's free memory (None: unknown, a CPU); rings: their bytes;
-    host_free: the host's available memory (None: unknown). auto, on one rank where they do not fit the device: host
-    (cheaper than streaming the DiT's blocks: a forward brings in its step's ring and the sink, 12.5 GB at 704x384,
-    against the blocks' 28 GB, and it may spare that), or disk where the host cannot hold them with a quarter to
-    spare (the page cache keeps what it can)."""
-    if setting != "auto":
-        return setting, "asked for"
-    if world > 1 or free is None or need <= free:
-        return "device", "auto: on the device" + (" (several ranks share them out)" if world > 1 else "")
-    why = f"auto: the models and the rings need {need / GB:.1f} GB on the device, {free / GB:.1f} GB is free"
-    if host_free is not None and rings + HOST_RESERVE > 0.75 * host_free:
-        return "disk", why + f"; the rings' {rings / GB:.1f} GB crowd the host's {host_free / GB:.1f} GB"
-    return "host", why
-
-
-def working_set(b: Budget, family, split: Split, world: int, rank: int, decode: str,
-                rings_host: bool = False) -> tuple[int, int, int]:
-    """(state, activations, decode worker) bytes one rank's GPU holds beside its weights: what the layout choice
-    keeps free (`working_bytes`), for `avatar plan` and for a render alike (render/setup.py).
-
-    The timestep pipeline: a step rank its step's ring and the sink, and one forward's activations; the decode
-    rank the decoder cache and the decode's peak. Otherwise: the DiT's rolling state divided by heads over the
-    ranks, a forward's activations divided by tokens, and the decode's cache and peak where the decode runs in the
-    render process (inline); a decode worker (rank 0's GPU, its own process) holds the decode's models, cache and
-    peak beside. rings_host: the rings and sink wait off the device (runtime.rings: host or disk), one layer's at
-    a time here."""
-    if split == Split.steps:
-        return (b.step_state, b.a2v_peak, 0) if rank else (b.decode_state, b.decode_peak, 0)
-    inline = decode == "inline"
-    state = (0 if rings_host else b.state // world) + (b.decode_state if inline else 0)
-    work = max(b.a2v_peak // world + (b.ring_layer if rings_host else 0), b.decode_peak if inline else 0)
-    worker = 0
-    if decode == "worker" and rank == 0:
-        worker = sum(b.models[n].total for n in family.needs[Step.decode]) + b.decode_state + b.decode_peak
-    return state, work, worker
-
-
-def render_working_bytes(p, runtime: Runtime, rank: int, rings_host: bool = False) -> int | None:
-    """The working set a render of the resolved job `p` keeps free on this rank's GPU, counted on meta as `avatar
-    plan` counts it; None where the family has no budget (the placement then keeps its default reserve)."""
-    source = p.model
-    if source.spec.budget is None:
-        return None
-    b = job_budget(p.job, source, p.gen_size, runtime.dtype)
-    return sum(working_set(b, source.family, p.parallel, p.world_size, rank, p.decode.value, rings_host))
-
-
-def render_rings(p, runtime: Runtime, free: int | None, host_free: int | None, skip=()) -> tuple[str, str] | None:
-    """`runtime.rings` for a render of the resolved job `p` on one rank's device with `free` bytes free, as
-    `avatar plan` decides it; None where the family keeps no rings (or has no budget to count them)."""
-    source, setting = p.model, p.job.spec.runtime.rings.value
-    if source.spec.budget is None or (setting in ("auto", "device") and (not runtime.is_cuda
-                                                                         or p.parallel == Split.steps)):
-        return None
-    b = job_budget(p.job, source, p.gen_size, runtime.dtype)
-    if not b.state:
-        return None
-    models = sum(m.total for n, m in b.models.items() if n not in skip)
-    ws = working_set(b, source.family, p.parallel, p.world_size, 0, p.decode.value)
-    return rings_place(setting, p.world_size, models + sum(ws), free, b.state, host_free)
-
-
 def make_plan(job: Job, m: Machine, util: float = 0.4) -> Plan:
     """The plan for `job` on `m` (the job loaded as for a render; `model=wan-s2v-14b` names the release's size)."""
     if not 0 < util <= 1:
@@ -415,17 +355,18 @@ def make_plan(job: Job, m: Machine, util: float = 0.4) -> Plan:
     if split == Split.steps:
         for role, rank, count in (("a step rank", 1, m.gpus - 1), ("the decode rank", 0, 1)):
             keep = {n: s for n, s in loaded.items() if n not in rank_skips(family, rank)}
-            r, lay = _rank(role, count, keep, job, family, 1, free, *working_set(b, family, split, m.gpus, rank, decode))
+            r, lay = _rank(role, count, keep, job, family, 1, free,
+                           *job_working_set(b, family, split, m.gpus, rank, decode))
             ranks.append(r)
             layouts.append(lay)
     else:  # rank 0 is the fullest (a decode worker shares its GPU): every rank is planned as it
-        ws = working_set(b, family, split, m.gpus, 0, decode)
+        ws = job_working_set(b, family, split, m.gpus, 0, decode)
         # Where the rings wait, decided before the layout as a render decides it (render/setup.py).
         rings_at, rings_why = rings_place(rt.rings.value, m.gpus, sum(s.total for s in loaded.values()) + sum(ws),
                                           free, b.state, m.host_bytes) if b.state else ("device", "")
         rings_host = rings_at != "device"
         r, lay = _rank("every rank" if m.gpus > 1 else "the GPU", m.gpus, loaded, job, family, m.gpus, free,
-                       *working_set(b, family, split, m.gpus, 0, decode, rings_host))
+                       *job_working_set(b, family, split, m.gpus, 0, decode, rings_host))
         ranks.append(r)
         layouts.append(lay)
     tier, tier_why = _host_tier(job, m, ranks, loaded, source, layouts, b.state if rings_at == "host" else 0)
@@ -453,9 +394,9 @@ def make_plan(job: Job, m: Machine, util: float = 0.4) -> Plan:
     return Plan(job=str(job.path), model=source.name, family=spec.name, mode=source.mode, size=size,
                 machine=m.label, card=m.card.name, utilisation=util, parallel=split.value, parallel_why=split_why,
                 decode=decode, decode_why=decode_why, vae_dtype=b.models["vae"].dtype, text=text, text_why=text_why,
-                weights=weights if weights != "bf16" else _dtype_label(dtype), weights_why=_weights_why(weights, b, dtype_why),
-                host_tier=tier,
-                host_tier_why=tier_why, ranks=ranks, gpu_bytes=gpu, gpu_capacity=m.gpu_bytes, host_bytes=host,
+                weights=_weights_label(job, weights, b, dtype), weights_why=_weights_why(job, weights, b, dtype_why),
+                host_tier=tier, host_tier_why=tier_why, ranks=ranks,
+                model_bytes={n: s.total for n, s in b.models.items()}, gpu_bytes=gpu, gpu_capacity=m.gpu_bytes, host_bytes=host,
                 host_capacity=m.host_bytes, fits=fits, speed=speed, notes=notes)
 
 
@@ -472,8 +413,17 @@ def _smaller(job: Job, m: Machine, util: float) -> str:
             f"{small.host_bytes / GB:.1f} GB of host): more GPUs, or bigger ones")
 
 
-def _weights_why(weights: str, b: Budget, dtype_why: str) -> str:
+def _weights_label(job: Job, weights: str, b: Budget, dtype: torch.dtype) -> str:
+    if job.dit is not None and b.models["dit"].stored_quantized:
+        return b.models["dit"].dtype  # the file's format ("scaled FP8", "GGUF Q4_K")
+    return weights if weights != "bf16" else _dtype_label(dtype)
+
+
+def _weights_why(job: Job, weights: str, b: Budget, dtype_why: str) -> str:
     dit = b.models["dit"]
+    if job.dit is not None and dit.stored_quantized:
+        return (f"dit: {job.dit}: the DiT {dit.total / GB:.1f} GB, its quantized weights kept as the file stores them "
+                f"(counted from its header), the rest in the runtime dtype ({dtype_why}); replicated, never sharded")
     if weights == "bf16":
         return (f"runtime.weights: bf16 (as loaded; runtime.dtype: {dtype_why}): the DiT {dit.total / GB:.1f} GB; "
                 "fp8 or int8 would about halve it")
@@ -520,6 +470,3 @@ def format_plan(p: Plan) -> str:
     lines.append("  fits" if p.fits else "  DOES NOT FIT")
     return "\n".join(lines)
 
-
-def ceil_gb(n: int) -> int:
-    return math.ceil(n / GB)

@@ -93,8 +93,9 @@ def with_lora(source: ModelSource, path: Path, rank: int, scale: float | None) -
 
 def with_dit(source: ModelSource, path: Path, weights: str = "bf16") -> ModelSource:
     """The source with its DiT read from one file (a job's `dit:`), checked from the file's header (and against
-    `runtime.weights`, for a file whose weights are quantized already)."""
-    if source.spec.dit_file is None or source.path is None:
+    `runtime.weights`, for a file whose weights are quantized already). A size named without weights takes one too:
+    `avatar plan` counts the file against it (check_model refuses it a render)."""
+    if source.spec.dit_file is None or (source.path is None and not source.preset):
         raise InputError(f"dit: the {source.family_name} family reads its DiT from its model directory only")
     return dataclasses.replace(source, config=source.spec.dit_file(source, path, weights), dit=path)
 

@@ -25,7 +25,7 @@ from avatar_cli.modules.module import Module
 from avatar_cli.pipeline import checkpoint as ckpt
 from avatar_cli.pipeline.run import Pipeline
 from avatar_cli.pipeline.steps import rank_skips
-from avatar_cli.plan import render_rings, render_working_bytes
+from avatar_cli.runtime.job_budget import render_rings, render_working_bytes
 from avatar_cli.prompts import cache as prompt_cache
 from avatar_cli.prompts.cache import PromptCache
 from avatar_cli.report import Reporter

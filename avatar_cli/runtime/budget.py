@@ -1,13 +1,19 @@
 """What a family's render needs, counted on the meta device at one frame size: the figures `avatar plan` sizes a
-layout with (a family's `FamilySpec.budget` makes one; families/wan_s2v/budget.py for wan-s2v).
+layout with (a family's `FamilySpec.budget` makes one; families/wan_s2v/budget.py for wan-s2v), and the two
+decisions a render and `avatar plan` both take from them: the working set one rank keeps free beside its weights
+(`working_set`) and where the streaming mode's key/value rings wait (`rings_place`). runtime/job_budget.py applies
+them to one job.
 
 Bytes are exact counts of the models' parameters at the dtype each runs in, and of the tensors a forward allocates
 on meta (runtime/meta_count.py); FLOPs are torch's FlopCounterMode over the same meta forwards (runtime/flops.py).
 Nothing here is measured on a device.
 """
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
+
+GB = 1e9
+HOST_RESERVE = 4 * GB  # the process itself, its libraries, the audio and the encoder: not counted in a budget
 
 
 @dataclass(frozen=True)
@@ -20,6 +26,7 @@ class ModelBytes:
     block: int = 0  # the largest block's bytes
     blocks_total: int = 0  # all blocks together
     file_total: int = 0  # bytes of its checkpoint tensors (the dtype on disk); 0: not read from a safetensors file
+    stored_quantized: bool = False  # holds weights quantized as its file stores them (GGUF, scaled FP8): never sharded
 
     @property
     def root(self) -> int:
@@ -58,3 +65,44 @@ class Budget:
     ring_layer: int = 0  # one layer's ring and sink, brought in for one forward where they wait in host memory
     sink: int = 0  # of `state`, the sink (in host memory when the rings wait in a file)
     notes: tuple[str, ...] = field(default=())
+
+
+def working_set(b: Budget, split: str, world: int, rank: int, decode: str, decode_models: Collection[str],
+                rings_host: bool = False) -> tuple[int, int, int]:
+    """(state, activations, decode worker) bytes one rank's GPU holds beside its weights: what the layout choice
+    keeps free (`working_bytes`), for `avatar plan` and for a render alike. split: `runtime.parallel` resolved
+    (single | sequence | steps); decode: inline | worker; decode_models: the components the family's decode needs.
+
+    The timestep pipeline: a step rank its step's ring and the sink, and one forward's activations; the decode
+    rank the decoder cache and the decode's peak. Otherwise: the DiT's rolling state divided by heads over the
+    ranks, a forward's activations divided by tokens, and the decode's cache and peak where the decode runs in the
+    render process (inline); a decode worker (rank 0's GPU, its own process) holds the decode's models, cache and
+    peak beside. rings_host: the rings and sink wait off the device (runtime.rings: host or disk), one layer's at
+    a time here."""
+    if split == "steps":
+        return (b.step_state, b.a2v_peak, 0) if rank else (b.decode_state, b.decode_peak, 0)
+    inline = decode == "inline"
+    state = (0 if rings_host else b.state // world) + (b.decode_state if inline else 0)
+    work = max(b.a2v_peak // world + (b.ring_layer if rings_host else 0), b.decode_peak if inline else 0)
+    worker = 0
+    if decode == "worker" and rank == 0:
+        worker = sum(b.models[n].total for n in decode_models) + b.decode_state + b.decode_peak
+    return state, work, worker
+
+
+def rings_place(setting: str, world: int, need: int, free: int | None, rings: int, host_free: int | None
+                ) -> tuple[str, str]:
+    """`runtime.rings` -> ("device" | "host" | "disk", why). need: the device bytes of this rank's models and working
+    set with the rings on the device; free: the device's free memory (None: unknown, a CPU); rings: their bytes;
+    host_free: the host's available memory (None: unknown). auto, on one rank where they do not fit the device: host
+    (cheaper than streaming the DiT's blocks: a forward brings in its step's ring and the sink, a fraction of the
+    blocks' bytes, and it may spare that), or disk where the host cannot hold them with a quarter to spare (the page
+    cache keeps what it can)."""
+    if setting != "auto":
+        return setting, "asked for"
+    if world > 1 or free is None or need <= free:
+        return "device", "auto: on the device" + (" (several ranks share them out)" if world > 1 else "")
+    why = f"auto: the models and the rings need {need / GB:.1f} GB on the device, {free / GB:.1f} GB is free"
+    if host_free is not None and rings + HOST_RESERVE > 0.75 * host_free:
+        return "disk", why + f"; the rings' {rings / GB:.1f} GB crowd the host's {host_free / GB:.1f} GB"
+    return "host", why

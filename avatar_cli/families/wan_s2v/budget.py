@@ -4,7 +4,9 @@ sizes a layout with, for a model directory or for the release's size named witho
 - Parameters: the DiT and umT5 built on meta from the config and counted in the runtime dtype, the VAE and wav2vec2
   in float32 (the family's ParallelPlan.float32); the DiT's and umT5's blocks as block offload and FSDP2 see them;
   with `runtime.weights: fp8 | int8`, the DiT's and umT5's quantized Linears as torchao lays them out
-  (runtime/quantize.py).
+  (runtime/quantize.py). A job's `dit:` file (dit_file.py) counts what its load keeps as the file stores it, from
+  the file's header (a GGUF file's quantized tensors, a scaled-FP8 file's FP8 Linears of the blocks and injectors),
+  and the rest in the runtime dtype.
 - Clip mode (the official loop): one DiT forward over one 80-frame clip with its motion latents (tokens from the
   frame size), its activations counted with fused attention (runtime/meta_count.py) and its FLOPs with
   FlopCounterMode; sampling.steps forwards per clip, twice with guidance. The decode as the family runs it:
@@ -29,7 +31,7 @@ from avatar_cli.runtime.budget import Budget, ModelBytes
 from avatar_cli.runtime.device import dtype_name
 from avatar_cli.runtime.flops import flop_counter
 from avatar_cli.runtime.meta_count import n_bytes, on_meta, peak_bytes
-from avatar_cli.runtime.quantize import tensor_bytes
+from avatar_cli.runtime.quantize import linears_under, tensor_bytes
 
 TEXT_TOKENS = 128  # a prompt's trimmed tokens (the DiT pads to text_len: the count moves nothing but the embedder)
 
@@ -39,13 +41,36 @@ def _blocked(model: torch.nn.Module, blocks, dtype: torch.dtype, weights: str = 
     """A model's bytes and its blocks', under `runtime.weights` (the Linears under `paths` quantized as torchao lays
     them out, counted on meta by runtime/quantize.py; None: the family keeps it in `dtype`)."""
     per_name = tensor_bytes(model, weights if paths is not None else "bf16", paths or (), dtype)
+    label = weights if paths is not None and weights != "bf16" else dtype_name(dtype)
+    return _grouped(model, blocks, per_name, label)
+
+
+def _grouped(model: torch.nn.Module, blocks, per_name: dict[str, int], label: str, **kw) -> ModelBytes:
+    """ModelBytes of a model from its tensors' bytes (state-dict name -> bytes), its blocks apart."""
     where = {id(m): name for name, m in model.named_modules()}
     sizes = []
     for b in blocks:
         prefix = where[id(b)] + "."
         sizes.append(sum(n for name, n in per_name.items() if name.startswith(prefix)))
-    label = weights if paths is not None and weights != "bf16" else dtype_name(dtype)
-    return ModelBytes(sum(per_name.values()), label, len(sizes), max(sizes), sum(sizes))
+    return ModelBytes(sum(per_name.values()), label, len(sizes), max(sizes), sum(sizes), **kw)
+
+
+def dit_file_bytes(path, p: WanDiTParams, dtype: torch.dtype, weights: str = "bf16") -> ModelBytes:
+    """The DiT read from a `dit:` file as its load holds it in `dtype`: each tensor the load keeps as stored at its
+    bytes from the file's header (dit_file.held_quantized; no weight is read), the rest as the meta count has them
+    (in `dtype`, under `runtime.weights` for a float file)."""
+    from avatar_cli.families.wan_s2v import dit_file
+
+    dit, paths = _dit(p, dtype), dict(QUANTIZED)["dit"]
+    f = dit_file.inspect(path)
+    kept = dit_file.held_quantized(f, {n + ".weight" for n in linears_under(dit, paths)}, dtype)
+    per_name = tensor_bytes(dit, weights, paths, dtype)
+    per_name.update(kept)
+    if not kept:
+        return _grouped(dit, dit.blocks, per_name, weights if weights != "bf16" else dtype_name(dtype),
+                        file_total=f.nbytes)
+    return _grouped(dit, dit.blocks, per_name, dit_file.quantized_already(f) or f.format, file_total=f.nbytes,
+                    stored_quantized=True)
 
 
 @functools.lru_cache(maxsize=2)
@@ -152,7 +177,9 @@ def budget(config, mode: str, size: tuple[int, int], dtype: torch.dtype, steps: 
     p: WanDiTParams = config.dit
     w, h = size
     lat_h, lat_w = h // 8, w // 8
-    models = {"dit": _dit_bytes(p, dtype, weights, dict(QUANTIZED).get("dit")),
+    dit = (dit_file_bytes(config.dit_file, p, dtype, weights) if config.dit_file is not None
+           else _dit_bytes(p, dtype, weights, dict(QUANTIZED).get("dit")))
+    models = {"dit": dit,
               "text": _t5_bytes(config.t5, dtype, weights, dict(QUANTIZED).get("text")),
               "audio": _w2v_bytes(p.audio_dim),
               "vae": ModelBytes(n_bytes(on_meta(WanVAE, config.vae, vae_dtype)), dtype_name(vae_dtype))}

@@ -18,6 +18,7 @@ merge into float weights, and a GGUF file is refused (`families/wan_s2v/spec.py`
 """
 
 from collections import Counter
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,6 +49,9 @@ class DitFile:
     types: Counter = field(default_factory=Counter)  # dtype or GGML type name -> tensor count
     nbytes: int = 0
     problems: list[str] = field(default_factory=list)  # why it cannot be read as a Wan2.2-S2V DiT
+    # official name -> bytes it holds once loaded as stored, for each tensor a load can keep quantized: a GGUF
+    # quantized tensor (its bytes), a float8_e4m3fn weight (a byte a value, and its scale in float32)
+    quantized: dict[str, int] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -86,7 +90,7 @@ def inspect(path: str | Path) -> DitFile:
     header = read_header(path)
     prefix = adapter_dit.comfy_prefix(header)
     fp8 = any(info.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) for info in header.values())
-    shapes, types, nbytes = {}, Counter(), 0
+    shapes, types, nbytes, quantized = {}, Counter(), 0, {}
     for name, info in header.items():
         nbytes += info.nbytes
         official = adapter_dit.comfy_to_official_key(name, prefix)
@@ -94,7 +98,10 @@ def inspect(path: str | Path) -> DitFile:
             continue
         shapes[official] = info.shape
         types[str(info.dtype).removeprefix("torch.")] += 1
-    f = DitFile(path, "comfy-fp8" if fp8 else "comfy", prefix, shapes, types, nbytes)
+        if info.dtype == torch.float8_e4m3fn and len(info.shape) == 2:
+            scale = adapter_dit.scale_name(name, header)
+            quantized[official] = info.nbytes + 4 * (header[scale].numel if scale is not None else 1)
+    f = DitFile(path, "comfy-fp8" if fp8 else "comfy", prefix, shapes, types, nbytes, quantized=quantized)
     problem = _model_problem(shapes)
     if problem:
         f.problems.append(f"{path.name}: {problem}")
@@ -130,14 +137,16 @@ def _inspect_gguf(path: Path) -> DitFile:
 
     g = GGUFFile(path)
     prefix = adapter_dit.comfy_prefix(g.tensors)
-    shapes, types, nbytes = {}, Counter(), 0
+    shapes, types, nbytes, quantized = {}, Counter(), 0, {}
     for name, t in g.tensors.items():
         nbytes += t.nbytes
         if prefix and not name.startswith(prefix):
             continue
         shapes[name[len(prefix):]] = t.shape
         types[t.qtype] += 1
-    f = DitFile(path, "gguf", prefix, shapes, types, nbytes)
+        if t.quantized:
+            quantized[name[len(prefix):]] = t.nbytes
+    f = DitFile(path, "gguf", prefix, shapes, types, nbytes, quantized=quantized)
     arch = g.field("general.architecture")
     if arch is not None and arch != GGUF_ARCH:
         f.problems.append(f"{path.name}: GGUF architecture {arch!r}, not a Wan DiT ({GGUF_ARCH!r})")
@@ -199,6 +208,18 @@ def quantized_already(f: DitFile) -> str | None:
         quantized = [t for t in f.types if t not in ("F32", "F16", "BF16")]
         return f"GGUF {', '.join(sorted(quantized))}" if quantized else None
     return None
+
+
+def held_quantized(f: DitFile, fp8_kept: Collection[str], dtype: torch.dtype) -> dict[str, int]:
+    """official name -> bytes, from the header alone, of each tensor `load` keeps as the file stores it, in a DiT
+    running in `dtype`: a GGUF file's quantized tensors (and the `dtype` scalar each one's dequantization holds,
+    gguf_weights.Dequantize); a scaled-FP8 file's float8_e4m3fn weights named in fp8_kept (the weights of the
+    Linears under `load`'s keep_fp8). Every other tensor is held in the runtime dtype."""
+    if f.format == "gguf":
+        return {k: n + dtype.itemsize for k, n in f.quantized.items()}
+    if f.format == "comfy-fp8":
+        return {k: n for k, n in f.quantized.items() if k in fp8_kept}
+    return {}
 
 
 def _fp8_in_runtime_dtype(model: nn.Module) -> None:
