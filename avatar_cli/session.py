@@ -43,13 +43,14 @@ from avatar_cli.media.sink import Sink
 from avatar_cli.media.writer import Mp4Writer, resolve_codec
 from avatar_cli.pipeline.checkpoint import chain_digest
 from avatar_cli.pipeline.events import ChunkDone
-from avatar_cli.pipeline.live import ChunkRelay, GlooWire, RelayedAudio, Stall, growing_plan
+from avatar_cli.pipeline.live import ChunkRelay, RelayedAudio, Stall, growing_plan
 from avatar_cli.pipeline.run import Pipeline
 from avatar_cli.pipeline.steps import rank_skips
 from avatar_cli.prompts import cache as prompt_cache
 from avatar_cli.report import Reporter, peak_rss_mb
 from avatar_cli.runner import ModelCache, place_rings, setup_runtime
 from avatar_cli.runtime.distributed import Dist, collective_timeout_s
+from avatar_cli.runtime.wire import Wire
 from avatar_cli.spec import is_stream_input
 
 __all__ = ["run_session", "SessionSummary"]
@@ -199,7 +200,7 @@ def run_session(p: ResolvedJob, reporter: Reporter, models: ModelCache | None = 
         # Under torchrun the chunks and their audio reach the other ranks over a gloo group of their own, made by
         # every rank now (before rank 0 waits for the first audio), whose timeout lets the source take that long.
         if streaming_in and dist.enabled:
-            wire = GlooWire(live.first_audio_s + live.stall_s + collective_timeout_s())
+            wire = Wire.gloo(live.first_audio_s + live.stall_s + collective_timeout_s())
 
         stalls: list[Stall] = []
         waits: list[float] = []  # time spent waiting for audio: not the render's
