@@ -111,8 +111,8 @@ def rank_skips(family: Family, rank: int) -> set[str]:
 
 @dataclass
 class StepStages:
-    """The stages the timestep pipeline runs: a step rank the first four, the decode rank super-resolution (and
-    the Publisher it is given)."""
+    """The stages the timestep pipeline runs: a step rank the first four, the decode rank the reference (which
+    super-resolution reads) and super-resolution (and the Publisher it is given)."""
 
     reference: ReferenceEncode
     prompt: PromptEncode
