@@ -99,18 +99,20 @@ def test_a_stall_renders_on_silence_and_the_audio_continues_after_it():
 
 
 class QueueWire:
-    """Ranks in one process: what rank 0 sends to rank r lands in queue r."""
+    """Ranks in one process, as runtime/wire.py's Wire: what rank 0 sends to rank r lands in queue r, named."""
 
     def __init__(self, world: int):
         import queue
 
         self.boxes = {r: queue.Queue() for r in range(1, world)}
 
-    def send(self, t, dst):
-        self.boxes[dst].put(t.clone())
+    def send(self, dst, name, t):
+        self.boxes[dst].put((name, t.clone()))
 
-    def recv(self, src):  # noqa: ARG002 -- only rank 0 sends
-        return self.boxes[self.rank].get(timeout=10)
+    def recv(self, src, name):  # noqa: ARG002 -- only rank 0 sends
+        got, t = self.boxes[self.rank].get(timeout=10)
+        assert got == name
+        return t
 
     def flush(self):
         pass

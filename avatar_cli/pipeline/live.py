@@ -20,7 +20,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from datetime import timedelta
 from fractions import Fraction
 from typing import Protocol
 
@@ -30,8 +29,9 @@ import torch
 from avatar_cli.errors import RenderError
 from avatar_cli.families.base import Chunk
 from avatar_cli.pipeline.schedule import num_frames
+from avatar_cli.runtime.wire import Wire
 
-__all__ = ["LiveAudio", "Stall", "growing_plan", "STALL_S", "RelayedAudio", "ChunkRelay", "GlooWire"]
+__all__ = ["LiveAudio", "Stall", "growing_plan", "STALL_S", "RelayedAudio", "ChunkRelay"]
 
 STALL_S = 1.0  # default wait for a chunk's audio before it renders on silence
 
@@ -140,46 +140,6 @@ class RelayedAudio:
         self._windows = [(f, x) for f, x in self._windows if f + x.size > before]
 
 
-class Wire(Protocol):
-    """Point-to-point tensors between ranks (GlooWire; a queue in tests)."""
-
-    def send(self, t: torch.Tensor, dst: int) -> None: ...  # asynchronous: returns before the receiver takes it
-
-    def recv(self, src: int) -> torch.Tensor: ...
-
-    def flush(self) -> None: ...  # wait until every send was taken
-
-
-class GlooWire:
-    """A gloo process group of its own for the relay (CPU tensors, whatever backend the models use), its timeout
-    long enough for a live source's first audio; sends are asynchronous, each tensor kept until it was taken."""
-
-    def __init__(self, timeout_s: float):
-        import torch.distributed as dist
-
-        self._dist = dist
-        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))  # every rank calls this
-        self._pending: list[tuple[object, torch.Tensor]] = []
-
-    def send(self, t: torch.Tensor, dst: int) -> None:
-        head = torch.tensor([t.dtype == torch.float32, t.numel()], dtype=torch.int64)
-        for x in (head, t.contiguous()):
-            self._pending.append((self._dist.isend(x, dst, group=self.group), x))
-        self._pending = [(w, x) for w, x in self._pending if not w.is_completed()]
-
-    def recv(self, src: int) -> torch.Tensor:
-        head = torch.empty(2, dtype=torch.int64)
-        self._dist.recv(head, src, group=self.group)
-        t = torch.empty(int(head[1]), dtype=torch.float32 if int(head[0]) else torch.int64)
-        self._dist.recv(t, src, group=self.group)
-        return t
-
-    def flush(self) -> None:
-        for w, _ in self._pending:
-            w.wait()
-        self._pending = []
-
-
 _END = -1  # a chunk index that ends the plan
 
 
@@ -200,6 +160,9 @@ def _decode(t: torch.Tensor) -> tuple[Chunk | None, int]:
 
 class ChunkRelay:
     """Every rank runs the chunks rank 0's live plan hands out, on the samples rank 0 read for them.
+
+    wire: a Wire (runtime/wire.py) over a gloo group of its own (`Wire.gloo`), whose timeout lets a live source take
+    as long as it may for its first audio, and which this thread's sends do not share with the models' collectives.
 
     Rank 0 plans in a thread of its own: it reads each chunk's samples (`span(chunk)`, what the family's features
     read for it) from the live source and sends chunk and samples to every other rank, point to point, without
@@ -225,12 +188,12 @@ class ChunkRelay:
                     lo = max(lo, audio.held_from) if audio.held_from > 0 else lo  # (its reads never reach below)
                     samples = torch.from_numpy(audio.read(lo, hi))
                     for r in range(1, self.world):
-                        self.wire.send(_encode(chunk, lo), r)
-                        self.wire.send(samples, r)
+                        self.wire.send(r, "chunk", _encode(chunk, lo))
+                        self.wire.send(r, "samples", samples)
                     audio.release(max(0, lo - frame), reader="relay")
                     q.put(chunk)
                 for r in range(1, self.world):
-                    self.wire.send(torch.tensor([_END], dtype=torch.int64), r)
+                    self.wire.send(r, "chunk", torch.tensor([_END], dtype=torch.int64))
                 self.wire.flush()
                 q.put(None)
             except BaseException as e:  # noqa: BLE001 -- raised again in the loop that takes the chunks
@@ -245,8 +208,8 @@ class ChunkRelay:
     def receive(self, relayed: RelayedAudio) -> Iterator[Chunk]:
         """A rank other than 0: each chunk rank 0 sends, its samples put into `relayed`, until the plan ends."""
         while True:
-            chunk, lo = _decode(self.wire.recv(0))
+            chunk, lo = _decode(self.wire.recv(0, "chunk"))
             if chunk is None:
                 return
-            relayed.put(lo, self.wire.recv(0).numpy())
+            relayed.put(lo, self.wire.recv(0, "samples").numpy())
             yield chunk

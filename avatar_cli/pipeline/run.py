@@ -6,15 +6,15 @@ which decodes them, here or in a worker process, into a Sink (media/sink.py); wh
 
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping
-from contextlib import ExitStack
 
 import torch
 
-from avatar_cli.families.base import Chunk, Family, Final, RollingState, Sampling, Step
+from avatar_cli.families.base import Chunk, Family, RollingState, Sampling, Step
 from avatar_cli.media.sink import Sink
 from avatar_cli.media.source import AudioSource
 from avatar_cli.modules.module import Module, not_loaded
 from avatar_cli.pipeline.events import ChunkDone, RenderStats, ResumeFrom, Stretch
+from avatar_cli.pipeline.publish import PublishStep
 from avatar_cli.pipeline.steps import StepStages, every_block, run_steps
 from avatar_cli.prompts.cache import PromptCache
 from avatar_cli.runtime.device import Runtime
@@ -110,6 +110,8 @@ class Pipeline:
         with timer(Step.prompt), stage(prompt_needs, then=self.context.needs):
             text = self.prompt.run(spec.prompt)
 
+        publish = PublishStep(self.sr, out, ref, self.placement, timer, on_chunk, on_stretch, t0,
+                              after=self.context.needs)
         for i, chunk in enumerate(chunks):
             if i < first:
                 continue  # resumed after it
@@ -123,30 +125,6 @@ class Pipeline:
             with timer(Step.a2v), stage(self.a2v.needs, then=self.sr.needs if publishes else self.context.needs):
                 z = self.a2v.run(inputs, ref, sampling, state)
             self.family.keep(chunk, z, state, spec.chunking)
-
-            # 4. Publish what no later chunk can change: refine, decode, hand to the Sink. A rank that writes
-            # nothing skips the decode (its frames would be thrown away), unless the family conditions later chunks
-            # on decoded frames: then every rank decodes, and only rank 0 keeps them. A decode worker decodes in
-            # its own process and hands back each stretch once written (its resume point is saved then).
-            final = state.take_final(chunk.publish_to)
-            if final is not None:
-                with timer(Step.sr), stage(self.sr.needs, then=out.needs or self.context.needs):
-                    final = Final(final.start, final.end, self.sr.run(final.z, ref))
-                with ExitStack() as here:
-                    if out.needs:  # the decode runs in this process (not: a decode worker, a rank that skips it)
-                        here.enter_context(timer(Step.decode))
-                        here.enter_context(stage(out.needs, then=self.context.needs))
-                    stretches = out.publish(final, i + 1, state)
-                for stretch in stretches:
-                    on_stretch(stretch)
-            on_chunk(ChunkDone(chunk, time.perf_counter() - t0, state.published))
-
-        for stretch in out.finish():
-            on_stretch(stretch)
-        for step, seconds in out.seconds.items():
-            timer.seconds[step] += seconds
-        # perf_counter is system-wide (CLOCK_MONOTONIC): a worker process's first_put is on this clock too.
-        ttff = out.first_put - t0 if out.first_put is not None else 0.0
-        return RenderStats(frames=state.published, wall_s=time.perf_counter() - t0,
-                           ttff_s=ttff, compute_s=dict(timer.seconds),
-                           flops=dict(timer.flops) if timer.flops is not None else None)
+            # 4. Publish what no later chunk can change: refine, decode, hand to the Sink (pipeline/publish.py).
+            publish(chunk, i + 1, state)
+        return publish.finish(state.published)

@@ -20,23 +20,25 @@ changes), and rank 0 assembles the state in host memory; a live session, which n
 size the rings are 41.5 GB (causal.py's docstring counts them), so `copies` is checkpoint.resume_schedule: one block
 in 39 there, every block for a small model.
 
-Sends are asynchronous (isend) with at most PENDING blocks in flight per rank: a rank runs ahead of its consumer by
-that much and no further, which bounds the memory the copies in flight take. Receives block.
+The ranks hand tensors on over a Wire (runtime/wire.py): sends are asynchronous (isend) with at most PENDING blocks
+in flight per rank, so a rank runs ahead of its consumer by that much and no further, which bounds the memory the
+copies in flight take. Receives block. The decode rank publishes each block through the loop's own PublishStep
+(pipeline/publish.py), reference conditioning included.
 """
 
 import time
-from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
-from avatar_cli.families.base import Chunk, Family, Final, RollingState, Sampling, Step
+from avatar_cli.families.base import Chunk, Family, RollingState, Sampling, Step
 from avatar_cli.media.source import AudioSource
 from avatar_cli.pipeline.events import ChunkDone, RenderStats, ResumeFrom, Stretch
+from avatar_cli.pipeline.publish import PublishStep
 from avatar_cli.runtime.distributed import Dist
 from avatar_cli.runtime.placement import Placement
+from avatar_cli.runtime.wire import Wire
 from avatar_cli.stages.a2v import AudioToVideo
 from avatar_cli.stages.base import StageTimer
 from avatar_cli.stages.context import ContextGen
@@ -46,8 +48,6 @@ from avatar_cli.stages.reference import ReferenceEncode
 from avatar_cli.stages.sr import SuperResolve
 
 PENDING = 2  # blocks a rank's sends may have in flight
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64)
-_MAX_DIMS = 8
 
 
 DECODE_RANK = 0
@@ -60,46 +60,6 @@ def step_of(rank: int) -> int:
 
 def ranks_needed(steps: int) -> int:
     return steps + 1
-
-
-class Outbox:
-    """Asynchronous sends, each tensor kept alive until its send completed; at most PENDING blocks of them."""
-
-    def __init__(self, group: dist.ProcessGroup | None):
-        self.group = group
-        self.blocks: deque[list] = deque()
-
-    def send(self, t: torch.Tensor, dst: int) -> None:
-        """The tensor's dtype and shape first (so the receiver needs no bookkeeping), then its data."""
-        t = t.detach().contiguous()
-        head = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64, device=t.device)
-        head[0], head[1] = _DTYPES.index(t.dtype), t.ndim
-        head[2:2 + t.ndim] = torch.tensor(t.shape, dtype=torch.int64)
-        if not self.blocks:
-            self.blocks.append([])
-        self.blocks[-1] += [(dist.isend(head, dst, group=self.group), head),
-                            (dist.isend(t, dst, group=self.group), t)]
-
-    def end_block(self) -> None:
-        """Close this block's sends; wait for the oldest block's once more than PENDING are in flight."""
-        self.blocks.append([])
-        while len(self.blocks) > PENDING + 1:
-            for work, _ in self.blocks.popleft():
-                work.wait()
-
-    def flush(self) -> None:
-        while self.blocks:
-            for work, _ in self.blocks.popleft():
-                work.wait()
-
-
-def recv(src: int, device: torch.device, group: dist.ProcessGroup | None) -> torch.Tensor:
-    head = torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=device)
-    dist.recv(head, src, group=group)
-    dtype, ndim = _DTYPES[int(head[0])], int(head[1])
-    t = torch.empty(tuple(int(n) for n in head[2:2 + ndim]), dtype=dtype, device=device)
-    dist.recv(t, src, group=group)
-    return t
 
 
 def check_family(family: Family) -> None:
@@ -139,11 +99,11 @@ def choose_parallel(setting: str, family: Family, steps: int, world: int) -> tup
 
 
 def rank_skips(family: Family, rank: int) -> set[str]:
-    """Components the timestep pipeline's rank `rank` never runs: the decode rank needs only the decode and
-    refine steps'; a step rank all but the decode-only ones."""
+    """Components the timestep pipeline's rank `rank` never runs: the decode rank needs only the reference, refine
+    and decode steps' (refine reads the reference); a step rank all but the decode-only ones."""
     needs = family.needs
     if rank == DECODE_RANK:
-        keep = set(needs.get(Step.decode, ())) | set(needs.get(Step.sr, ()))
+        keep = {n for step in (Step.reference, Step.sr, Step.decode) for n in needs.get(step, ())}
     else:
         keep = {n for step in (Step.reference, Step.prompt, Step.context, Step.a2v) for n in needs.get(step, ())}
     return set(family.components) - keep
@@ -151,8 +111,8 @@ def rank_skips(family: Family, rank: int) -> set[str]:
 
 @dataclass
 class StepStages:
-    """The stages the timestep pipeline runs: a step rank the first four, the decode rank super-resolution (and
-    the Publisher it is given)."""
+    """The stages the timestep pipeline runs: a step rank the first four, the decode rank the reference (which
+    super-resolution reads) and super-resolution (and the Publisher it is given)."""
 
     reference: ReferenceEncode
     prompt: PromptEncode
@@ -180,15 +140,14 @@ def run_steps(stages: StepStages, placement: Placement, dist_: Dist, spec, image
     first = resume.next_chunk if resume else 0
     state = resume.state if resume else RollingState()
     if dist_.rank == DECODE_RANK:
-        ttff = _decode_rank(stages, placement, dist_, spec, chunks, first, state, out, on_chunk, on_stretch, timer,
-                            t0, copies)
-        frames = state.published
-    else:
-        frames = _step_rank(stages, placement, dist_, spec, image, audio, chunks, first, state, sampling, timer,
-                            copies)
-        ttff = None
-    return RenderStats(frames=frames, wall_s=time.perf_counter() - t0, ttff_s=ttff or 0.0,
-                       compute_s=dict(timer.seconds))
+        # Super-resolution keeps the reference in view, as in the loop: this rank encodes it too (rank_skips leaves
+        # it the components) while the step ranks run the first block.
+        with timer(Step.reference), placement.stage(stages.reference.needs, then=stages.sr.needs):
+            ref = stages.reference.run(image)
+        publish = PublishStep(stages.sr, out, ref, placement, timer, on_chunk, on_stretch, t0, after=stages.sr.needs)
+        return _decode_rank(stages.sr.family, dist_, spec.chunking, chunks, first, state, publish, copies)
+    frames = _step_rank(stages, placement, dist_, spec, image, audio, chunks, first, state, sampling, timer, copies)
+    return RenderStats(frames=frames, wall_s=time.perf_counter() - t0, ttff_s=0.0, compute_s=dict(timer.seconds))
 
 
 def _step_rank(stages: StepStages, placement: Placement, dist_: Dist, spec, image: torch.Tensor,
@@ -201,7 +160,7 @@ def _step_rank(stages: StepStages, placement: Placement, dist_: Dist, spec, imag
     device = stages.a2v.runtime.device
     models = stages.a2v.models
     state = family.step_state(state, step)  # this step's ring only (a resumed state holds every step's)
-    out = Outbox(group)
+    wire = Wire(group, device, pending=PENDING)
     stage = placement.stage
     dtype = next(models["dit"].parameters()).dtype
     with timer(Step.reference), stage(stages.reference.needs):
@@ -220,61 +179,50 @@ def _step_rank(stages: StepStages, placement: Placement, dist_: Dist, spec, imag
                 stages.context.release_before(audio, chunk.start - 1, fps)
             with timer(Step.a2v), stage(stages.a2v.needs):
                 if family.needs_sink_frame(chunk.index, state) and step != last - 1:
-                    family.put_sink_frame(state, recv(last, device, group))  # rolled by the last step's rank
+                    family.put_sink_frame(state, wire.recv(last, "sink_frame"))  # rolled by the last step's rank
                     took_frame = True
-                x = family.block_noise(inputs, ref, dtype) if step == 0 else recv(dist_.rank - 1, device, group)
+                x = family.block_noise(inputs, ref, dtype) if step == 0 else wire.recv(dist_.rank - 1, "x")
                 x = family.denoise_step(models, inputs, ref, x, step, sampling, state, own_ring=True)  # (16, 3, h, w)
             if dist_.rank == last:
                 z = family.block_latents(inputs, ref, x)  # (F, 16, h, w)
-                out.send(z, DECODE_RANK)
+                wire.send(DECODE_RANK, "z", z)
                 frame = family.rolled_sink_frame(chunk.index, z)
                 if frame is not None:  # sent whether or not a block uses it: the plan's length may be unknown
                     for r in range(1, last):
-                        out.send(frame, r)
+                        wire.send(r, "sink_frame", frame)
                     family.put_sink_frame(state, frame)
             else:
-                out.send(x, dist_.rank + 1)
+                wire.send(dist_.rank + 1, "x", x)
             rolled = rolled or chunk.index == family.sink_roll_block
             if copies(chunk.index):
-                for t in family.step_tensors(state, step, chunk.index).values():  # for the decode rank's checkpoint
-                    out.send(t.clone(), DECODE_RANK)
-            out.end_block()
+                for name, t in family.step_tensors(state, step, chunk.index).items():  # for rank 0's checkpoint
+                    wire.send(DECODE_RANK, name, t.clone())  # the ring changes in place at the next block
+            wire.end_block()
             published = chunk.publish_to
         if rolled and not took_frame and step != last - 1:
-            recv(last, device, group)  # the plan ended before the block that uses the rolled sink frame
+            wire.recv(last, "sink_frame")  # the plan ended before the block that uses the rolled sink frame
     finally:
-        out.flush()
+        wire.flush()
     return published
 
 
-def _decode_rank(stages: StepStages, placement: Placement, dist_: Dist, spec, chunks: Iterable[Chunk], first: int,
-                 state: RollingState, out: Publisher, on_chunk: Callable[[ChunkDone], None],
-                 on_stretch: Callable[[Stretch], None], timer: StageTimer, t0: float,
-                 copies: Callable[[int], bool]) -> float | None:
-    family, group, device = stages.sr.family, dist_.group, stages.sr.runtime.device
-    steps = dist_.world_size - 1
-    stage = placement.stage
+def _decode_rank(family: Family, dist_: Dist, chunking, chunks: Iterable[Chunk], first: int, state: RollingState,
+                 publish: PublishStep, copies: Callable[[int], bool]) -> RenderStats:
+    """Takes each block's final latents from the last step's rank (and, after the blocks `copies` names, every step
+    rank's ring) and publishes them as the loop does."""
+    wire = Wire(dist_.group, publish.sr.runtime.device)
+    last = dist_.world_size - 1
     for i, chunk in enumerate(chunks):
         if i < first:
             continue
-        z = recv(dist_.world_size - 1, device, group)  # (F, 16, h, w) the block's final latents
-        family.keep(chunk, z, state, spec.chunking)
+        z = wire.recv(last, "z")  # (F, 16, h, w) the block's final latents
+        family.keep(chunk, z, state, chunking)
         resumable = copies(chunk.index)
         if resumable:  # into host memory one tensor at a time: they are for the checkpoint, not for this device
-            per_step = [{name: recv(1 + s, device, group).cpu() for name in family.step_tensor_names(s, chunk.index)}
-                        for s in range(steps)]
+            per_step = [{name: wire.recv(1 + s, name).cpu() for name in family.step_tensor_names(s, chunk.index)}
+                        for s in range(last)]
             family.merge_step_tensors(state, per_step, chunk.index)
-        final = state.take_final(chunk.publish_to)
-        if final is not None:
-            with timer(Step.sr), stage(stages.sr.needs):
-                final = Final(final.start, final.end, stages.sr.run(final.z, None))
-            with timer(Step.decode), stage(out.needs):
-                stretches = out.publish(final, i + 1, state)
-            for stretch in stretches:
-                on_stretch(stretch if resumable else replace(stretch, resumable=False))
+        publish(chunk, i + 1, state, resumable)
         if resumable:
             family.drop_rings(state)  # the resume point has them; the next one gets fresh copies
-        on_chunk(ChunkDone(chunk, time.perf_counter() - t0, state.published))
-    for stretch in out.finish():
-        on_stretch(stretch)
-    return out.first_put - t0 if out.first_put is not None else None
+    return publish.finish(state.published)

@@ -47,12 +47,13 @@ from avatar_cli.media.writer import Mp4Writer, resolve_codec
 from avatar_cli.pipeline.checkpoint import chain_digest
 from avatar_cli.pipeline.events import (ChunkDone, LatencyWarning, LiveChunk, PreviewEvent, Ready, SlowWarning,
                                         StallEvent, ViewerEvent)
-from avatar_cli.pipeline.live import ChunkRelay, GlooWire, RelayedAudio, Stall, growing_plan
+from avatar_cli.pipeline.live import ChunkRelay, RelayedAudio, Stall, growing_plan
 from avatar_cli.render.file import summarize
 from avatar_cli.render.setup import Built, ModelCache, Opened, build, opened
 from avatar_cli.render.summary import LiveFigures, Summary
 from avatar_cli.report import Reporter
 from avatar_cli.runtime.distributed import collective_timeout_s
+from avatar_cli.runtime.wire import Wire
 from avatar_cli.spec import is_stream_input
 
 __all__ = ["run_session"]
@@ -230,7 +231,7 @@ def _chunks(p: ResolvedJob, job: Opened, built: Built, ends: Endpoints, watch: W
     lookahead_s = family.audio_lookahead_s(loaded)
     streaming_in = ends.reader is None
     # Made by every rank now (before rank 0 waits for the first audio), its timeout lets the source take that long.
-    wire = GlooWire(live.first_audio_s + live.stall_s + collective_timeout_s()) \
+    wire = Wire.gloo(live.first_audio_s + live.stall_s + collective_timeout_s()) \
         if streaming_in and job.dist.enabled else None
     reporter.live(Ready(str(p.job.output), str(p.job.audio), spec.video.fps, list(p.size), ends.realtime))
     if ends.audio is not None:

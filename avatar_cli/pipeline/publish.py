@@ -1,0 +1,68 @@
+"""Step 4 of the chunk loop: refine what no later chunk can change, decode it, hand it to the Publisher, report.
+
+The loop (pipeline/run.py) and the timestep pipeline's decode rank (pipeline/steps.py) both publish through one
+PublishStep, so what happens to the latents they publish (super-resolution with the reference in view, the decode,
+the stretches, the chunk's report) is one piece of code and cannot differ between the two.
+"""
+
+import time
+from collections.abc import Callable, Collection
+from contextlib import ExitStack
+from dataclasses import dataclass, replace
+from typing import Any
+
+from avatar_cli.families.base import Chunk, Final, RollingState, Step
+from avatar_cli.pipeline.events import ChunkDone, RenderStats, Stretch
+from avatar_cli.runtime.placement import Placement
+from avatar_cli.stages.base import StageTimer
+from avatar_cli.stages.publish import Publisher
+from avatar_cli.stages.sr import SuperResolve
+
+
+@dataclass
+class PublishStep:
+    """One job's publishing: `sr` refines with the reference conditioning `ref` (as ReferenceEncode made it),
+    `out` decodes and publishes; `after`: the components of the stage this rank runs next, whose copy in starts
+    while the decode computes. t0: perf_counter at the render's start."""
+
+    sr: SuperResolve
+    out: Publisher
+    ref: Any
+    placement: Placement
+    timer: StageTimer
+    on_chunk: Callable[[ChunkDone], None]
+    on_stretch: Callable[[Stretch], None]
+    t0: float
+    after: Collection[str] = ()
+
+    def __call__(self, chunk: Chunk, next_chunk: int, state: RollingState, resumable: bool = True) -> None:
+        """After `chunk` (the schedule's next_chunk - 1) was kept in `state`: publish what it settled (if any)
+        and report it done. resumable False: the stretches' state is not whole (Stretch.resumable)."""
+        stage, timer, out = self.placement.stage, self.timer, self.out
+        final = state.take_final(chunk.publish_to)
+        if final is not None:
+            with timer(Step.sr), stage(self.sr.needs, then=out.needs or self.after):
+                final = Final(final.start, final.end, self.sr.run(final.z, self.ref))
+            # A rank that writes nothing skips the decode (its frames would be thrown away), unless the family
+            # conditions later chunks on decoded frames: then every rank decodes, and only rank 0 keeps them. A
+            # decode worker decodes in its own process and hands back each stretch once written.
+            with ExitStack() as here:
+                if out.needs:  # the decode runs in this process
+                    here.enter_context(timer(Step.decode))
+                    here.enter_context(stage(out.needs, then=self.after))
+                stretches = out.publish(final, next_chunk, state)
+            for stretch in stretches:
+                self.on_stretch(stretch if resumable else replace(stretch, resumable=False))
+        self.on_chunk(ChunkDone(chunk, time.perf_counter() - self.t0, state.published))
+
+    def finish(self, frames: int) -> RenderStats:
+        """Wait for the stretches in flight and report them; the render's stats, `frames` published."""
+        for stretch in self.out.finish():
+            self.on_stretch(stretch)
+        for step, seconds in self.out.seconds.items():  # a decode worker's own compute
+            self.timer.seconds[step] += seconds
+        # perf_counter is system-wide (CLOCK_MONOTONIC): a worker process's first_put is on this clock too.
+        first = self.out.first_put
+        return RenderStats(frames=frames, wall_s=time.perf_counter() - self.t0,
+                           ttff_s=first - self.t0 if first is not None else 0.0, compute_s=dict(self.timer.seconds),
+                           flops=dict(self.timer.flops) if self.timer.flops is not None else None)
