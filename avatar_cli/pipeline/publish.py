@@ -5,12 +5,12 @@ PublishStep, so what happens to the latents they publish (super-resolution with 
 the stretches, the chunk's report) is one piece of code and cannot differ between the two.
 """
 
-import time
 from collections.abc import Callable, Collection
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from typing import Any
 
+from avatar_cli.media.sink import now
 from avatar_cli.families.base import Chunk, Final, RollingState, Step
 from avatar_cli.pipeline.events import ChunkDone, RenderStats, Stretch
 from avatar_cli.runtime.placement import Placement
@@ -23,7 +23,7 @@ from avatar_cli.stages.sr import SuperResolve
 class PublishStep:
     """One job's publishing: `sr` refines with the reference conditioning `ref` (as ReferenceEncode made it),
     `out` decodes and publishes; `after`: the components of the stage this rank runs next, whose copy in starts
-    while the decode computes. t0: perf_counter at the render's start."""
+    while the decode computes. t0: the render's start on the frame clock (media/sink.py `now()`)."""
 
     sr: SuperResolve
     out: Publisher
@@ -53,7 +53,7 @@ class PublishStep:
                 stretches = out.publish(final, next_chunk, state)
             for stretch in stretches:
                 self.on_stretch(stretch if resumable else replace(stretch, resumable=False))
-        self.on_chunk(ChunkDone(chunk, time.perf_counter() - self.t0, state.published))
+        self.on_chunk(ChunkDone(chunk, now() - self.t0, state.published))
 
     def finish(self, frames: int) -> RenderStats:
         """Wait for the stretches in flight and report them; the render's stats, `frames` published."""
@@ -61,8 +61,8 @@ class PublishStep:
             self.on_stretch(stretch)
         for step, seconds in self.out.seconds.items():  # a decode worker's own compute
             self.timer.seconds[step] += seconds
-        # perf_counter is system-wide (CLOCK_MONOTONIC): a worker process's first_put is on this clock too.
+        # now() is system-wide (CLOCK_MONOTONIC): a worker process's first_put is on this clock too.
         first = self.out.first_put
-        return RenderStats(frames=frames, wall_s=time.perf_counter() - self.t0,
+        return RenderStats(frames=frames, wall_s=now() - self.t0,
                            ttff_s=first - self.t0 if first is not None else 0.0, compute_s=dict(self.timer.seconds),
                            flops=dict(self.timer.flops) if self.timer.flops is not None else None)

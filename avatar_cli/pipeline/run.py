@@ -4,13 +4,12 @@ It reads audio from an AudioSource (media/source.py) and hands final latents to 
 which decodes them, here or in a worker process, into a Sink (media/sink.py); what it reports is in events.py.
 """
 
-import time
 from collections.abc import Callable, Collection, Iterable, Mapping
 
 import torch
 
 from avatar_cli.families.base import Chunk, Family, RollingState, Sampling, Step
-from avatar_cli.media.sink import Sink
+from avatar_cli.media.sink import Sink, now
 from avatar_cli.media.source import AudioSource
 from avatar_cli.modules.module import Module, not_loaded
 from avatar_cli.pipeline.events import ChunkDone, RenderStats, ResumeFrom, Stretch
@@ -85,7 +84,7 @@ class Pipeline:
              on_chunk: Callable[[ChunkDone], None], on_stretch: Callable[[Stretch], None],
              resume: ResumeFrom | None, chunks: Iterable[Chunk] | None,
              copies: Callable[[int], bool] | None) -> RenderStats:
-        t0 = time.perf_counter()
+        t0 = now()
         timer = StageTimer(self.runtime, flops=self.count_flops)
         fps, s = spec.video.fps, spec.sampling
         sampling = Sampling(s.steps, s.guidance, s.shift)

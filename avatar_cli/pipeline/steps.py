@@ -26,12 +26,12 @@ copies in flight take. Receives block. The decode rank publishes each block thro
 (pipeline/publish.py), reference conditioning included.
 """
 
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
 
+from avatar_cli.media.sink import now
 from avatar_cli.families.base import Chunk, Family, RollingState, Sampling, Step
 from avatar_cli.media.source import AudioSource
 from avatar_cli.pipeline.events import ChunkDone, RenderStats, ResumeFrom, Stretch
@@ -147,7 +147,7 @@ def run_steps(stages: StepStages, placement: Placement, dist_: Dist, spec, image
         publish = PublishStep(stages.sr, out, ref, placement, timer, on_chunk, on_stretch, t0, after=stages.sr.needs)
         return _decode_rank(stages.sr.family, dist_, spec.chunking, chunks, first, state, publish, copies)
     frames = _step_rank(stages, placement, dist_, spec, image, audio, chunks, first, state, sampling, timer, copies)
-    return RenderStats(frames=frames, wall_s=time.perf_counter() - t0, ttff_s=0.0, compute_s=dict(timer.seconds))
+    return RenderStats(frames=frames, wall_s=now() - t0, ttff_s=0.0, compute_s=dict(timer.seconds))
 
 
 def _step_rank(stages: StepStages, placement: Placement, dist_: Dist, spec, image: torch.Tensor,

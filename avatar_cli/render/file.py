@@ -9,7 +9,6 @@ import errno
 import hashlib
 import json
 import os
-import time
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 from avatar_cli.errors import InputError, RenderError
 from avatar_cli.job import ResolvedJob, check_disk
 from avatar_cli.media.audio import AudioWindowReader
+from avatar_cli.media.sink import now
 from avatar_cli.media.writer import Mp4Writer, resolve_codec
 from avatar_cli.pipeline import checkpoint as ckpt
 from avatar_cli.pipeline.events import ChunkDone, ResumeFrom, Stretch
@@ -64,7 +64,7 @@ def render(p: ResolvedJob, reporter: Reporter, models: ModelCache | None = None,
     over), strict (--resume) also refuses to discard a checkpoint of a changed job, never starts over.
     Under torchrun every rank runs the same schedule; rank 0 alone writes the file and the checkpoint.
     """
-    t_start = time.perf_counter()
+    t_start = now()
     resume = Resume(resume)
     fingerprint = job_fingerprint(p.job, p.model)
     with opened(p, reporter) as job:
@@ -124,12 +124,12 @@ def _render(p: ResolvedJob, job: Opened, built: Built, start: Continue, fingerpr
     on_chunk = _progress(reporter, start.resume_from.next_chunk if start.resume_from else 0)
     on_stretch = _saving(saver, start.checkpoint, reporter, main, partial)
     try:
-        t_render = time.perf_counter()
+        t_render = now()
         stats = pipeline.run(spec, built.image, reader, job.frames, out, on_chunk, on_stretch, start.resume_from,
                              copies=copies)
         if main:
             out.close()
-        gen_s = time.perf_counter() - t_render
+        gen_s = now() - t_render
     except BaseException as e:
         if main:
             _keep_partial(e, out, p, start.checkpoint)
@@ -196,7 +196,7 @@ def summarize(p: ResolvedJob, job: Opened, built: Built, stats, frames_digest: s
     made = stats.frames - first_put
     return Summary(
         output=str(p.job.output), frames=stats.frames, video_fps=fps, duration_s=round(stats.frames / fps, 4),
-        wall_s=round(time.perf_counter() - t_start, 4), ttff_s=round(stats.ttff_s, 4),
+        wall_s=round(now() - t_start, 4), ttff_s=round(stats.ttff_s, 4),
         render_fps=round(made / gen_s, 3) if gen_s > 0 else 0.0,
         rtf=round(made / fps / gen_s, 4) if gen_s > 0 else 0.0,
         peak_rss_mb=round(peak_rss_mb(), 1), load_s=round(t_render - t_start, 4), generate_s=round(gen_s, 4),

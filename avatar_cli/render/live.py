@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import os
 import statistics
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,7 +41,7 @@ from avatar_cli.media.audio import AudioWindowReader
 from avatar_cli.media.live import LiveTarget, LiveWriter, live_target
 from avatar_cli.media.live_audio import RawPCM, StreamAudio
 from avatar_cli.media.preview import Preview
-from avatar_cli.media.sink import FrameClock, Sink
+from avatar_cli.media.sink import FrameClock, Sink, now
 from avatar_cli.media.writer import Mp4Writer, resolve_codec
 from avatar_cli.pipeline.checkpoint import chain_digest
 from avatar_cli.pipeline.events import (ChunkDone, LatencyWarning, LiveChunk, PreviewEvent, Ready, SlowWarning,
@@ -236,7 +235,7 @@ def _chunks(p: ResolvedJob, job: Opened, built: Built, ends: Endpoints, watch: W
     reporter.live(Ready(str(p.job.output), str(p.job.audio), spec.video.fps, list(p.size), ends.realtime))
     if ends.audio is not None:
         ends.audio.wait_started(live.first_audio_s)
-        watch.first_audio = ends.audio.arrival(0) or time.monotonic()
+        watch.first_audio = ends.audio.arrival(0) or now()
         chunks = growing_plan(lambda total: pipeline.schedule(spec, total), ends.audio, spec.video.fps,
                               lookahead_s=lookahead_s, stall_s=live.stall_s,
                               on_stall=lambda s: watch.on_stall(s, reporter), on_wait=watch.waits.append)
@@ -244,7 +243,7 @@ def _chunks(p: ResolvedJob, job: Opened, built: Built, ends: Endpoints, watch: W
     elif ends.relayed is not None:
         chunks, source = None, ends.relayed
     else:
-        watch.first_audio = time.monotonic()
+        watch.first_audio = now()
         chunks, source = pipeline.schedule(spec, p.frames), ends.reader
     if wire is not None:  # every rank runs the chunks rank 0's plan hands out, on its samples
         rate, fps = watch.rate, spec.video.fps
@@ -262,7 +261,7 @@ def _chunks(p: ResolvedJob, job: Opened, built: Built, ends: Endpoints, watch: W
 
 def run_session(p: ResolvedJob, reporter: Reporter, models: ModelCache | None = None) -> Summary:
     """Run a live session (module docstring) for a resolved job whose `Job.live` holds."""
-    t_start = time.perf_counter()
+    t_start = now()
     target = live_target(str(p.job.output), keep_segments=p.job.spec.live.hls_keep_segments)
     with opened(p, reporter) as job:
         if job.main and target is not None and target.url == "-":
@@ -281,7 +280,7 @@ def _run(p: ResolvedJob, job: Opened, built: Built, ends: Endpoints, reporter: R
     watch = Watch(p.model.family.geometry.sample_rate, spec.video.fps, live.max_latency_s)
     chunks, source = _chunks(p, job, built, ends, watch, reporter)
     out = built.pipeline.publish_to(ends.sink, p.size)
-    t_render = time.perf_counter()
+    t_render = now()
     try:
         stats = built.pipeline.run(spec, built.image, source, p.frames, out,
                                    lambda d: watch.on_chunk(d, out.clock, ends, reporter),
@@ -291,7 +290,7 @@ def _run(p: ResolvedJob, job: Opened, built: Built, ends: Endpoints, reporter: R
     except BaseException:
         out.abort()  # the chunk in flight is dropped; every output closes cleanly with what it has
         raise
-    gen_s = time.perf_counter() - t_render
+    gen_s = now() - t_render
     if job.main and ends.target is None:
         os.replace(p.job.partial_output, p.job.output)
     summary = summarize(p, job, built, stats, chain_digest(watch.stretches), t_start, t_render, gen_s)

@@ -214,7 +214,7 @@ class DecodeWorker:
         self._ready = False
         self._closed = False  # closed or aborted: the worker is gone
         self._stopping = False  # it stopped by itself (an error) or died
-        self.first_put: float | None = None  # perf_counter (system-wide monotonic) of the worker's first frame
+        self.first_put: float | None = None  # media/sink.py now() (system-wide monotonic) of the worker's first frame
         self.decode_s = 0.0  # the worker's decode seconds
         self.wait_s = 0.0  # the render process's seconds blocked on the queue
         self.peak_rss_mb: float | None = None  # the worker's, once closed
