@@ -53,6 +53,7 @@ class Continue:
 
     @property
     def first_put(self) -> int:
+        """The first frame this render generates and encodes (read before it runs: the state grows as it does)."""
         return self.resume_from.state.published if self.resume_from else 0
 
 
@@ -114,6 +115,7 @@ def _writer(p: ResolvedJob, job: Opened, built: Built, start: Continue, fingerpr
 def _render(p: ResolvedJob, job: Opened, built: Built, start: Continue, fingerprint: dict[str, str],
             reporter: Reporter, t_start: float) -> Summary:
     spec, main, partial, pipeline = p.job.spec, job.main, p.job.partial_output, built.pipeline
+    first_put = start.first_put
     chunks = pipeline.schedule(spec, job.frames)
     # The blocks after which a resume point's state is copied where it is not at hand (pipeline/checkpoint.py).
     copies = ckpt.resume_schedule(p.model.family.resume_bytes(p.gen_size, spec.sampling.steps))
@@ -141,8 +143,7 @@ def _render(p: ResolvedJob, job: Opened, built: Built, start: Continue, fingerpr
         saver.remove()
         if start.source is not None:
             start.source.unlink(missing_ok=True)
-    summary = summarize(p, job, built, stats, start.checkpoint.frames_digest, t_start, t_render, gen_s,
-                        start.first_put)
+    summary = summarize(p, job, built, stats, start.checkpoint.frames_digest, t_start, t_render, gen_s, first_put)
     summary.decode_worker_peak_rss_mb = worker.peak_rss_mb if worker is not None else None
     return summary
 
