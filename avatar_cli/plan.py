@@ -18,7 +18,6 @@ A job names its model as for a render (a model directory), or by the release's s
 `--model wan-s2v-14b` here): someone with no weights yet plans against the size they would download.
 """
 
-import math
 import re
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -520,6 +519,3 @@ def format_plan(p: Plan) -> str:
     lines.append("  fits" if p.fits else "  DOES NOT FIT")
     return "\n".join(lines)
 
-
-def ceil_gb(n: int) -> int:
-    return math.ceil(n / GB)
