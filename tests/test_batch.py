@@ -600,3 +600,20 @@ def test_an_interrupted_checkpoint_write_leaves_no_temporary_file(tmp_path: Path
     with pytest.raises(KeyboardInterrupt):
         atomic_write(target, b"new")  # how pipeline/checkpoint.py writes its record
     assert os.listdir(tmp_path) == ["video.partial.ckpt.json"] and target.read_text() == "old"
+
+
+def test_a_live_session_checks_its_outputs_once_and_runs_alone(job_dir: Path, monkeypatch):
+    import avatar_cli.job
+
+    playlist = job_dir / "hls" / "live.m3u8"
+    playlist.parent.mkdir()
+    playlist.write_text("#EXTM3U\n")
+    calls = []
+    check_live = avatar_cli.job.check_live
+    monkeypatch.setattr(avatar_cli.job, "check_live", lambda job, force: (calls.append(force), check_live(job, force)))
+    r = cli("render", str(job_dir / "job.yaml"), "-o", str(playlist))
+    assert r.returncode == 2 and "already exists; pass --force" in r.stderr
+    assert calls == [False]  # with --force as given, once
+    assert playlist.read_text() == "#EXTM3U\n"
+    both = cli("render", str(job_dir / "job.yaml"), str(job_dir / "job.yaml"), f"output={playlist}")
+    assert both.returncode == 2 and "runs alone, not in a batch" in both.stderr
