@@ -28,7 +28,7 @@ demo: $(STAMP)
 # Two test processes (pytest-xdist): many tests wait on subprocesses, torch imports and rank rendezvous, so the
 # CPU-bound ones overlap them; --durations names the slowest, to keep CI's 15 minutes in view.
 # One torch thread per process (OMP_NUM_THREADS=1: the renders run in the test processes or inherit it): two test
-# processes and their renders with a thread per core each ran 4+ threads on 2 cores; 6m45s instead of 9m40s here.
+# processes and their renders with a thread per core each ran 4+ threads on 2 cores (bench/results.md).
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --durations=25
 

@@ -87,7 +87,7 @@ def run_batch(jobs: list[Path], overrides: list[str], output: str | None, force:
     # Imported here, not at the top: they pull in torch and the models' code, which `avatar --help`, `validate`'s
     # argument errors and job-list expansion never need.
     from avatar_cli import render
-    from avatar_cli.job import check_live, check_output, resolve
+    from avatar_cli.job import check_output, resolve
     from avatar_cli.pipeline.fingerprint import job_fingerprint
     from avatar_cli.runtime.distributed import launched_by_torchrun
     from avatar_cli.spec import load_job
@@ -103,11 +103,12 @@ def run_batch(jobs: list[Path], overrides: list[str], output: str | None, force:
         rendering = False
         try:
             job = load_job(path, overrides, output)
-            prepared = resolve(job, force=True)  # resolved once; an existing output is looked at next
+            if job.live and len(jobs) > 1:
+                raise SpecError(f"{path}: a live session (audio or output a stream) runs alone, not in a batch")
+            # Resolved once. A live session's outputs are checked there, with --force as given; a file render's
+            # existing output is looked at next (a finished render of this job is skipped, not an error).
+            prepared = resolve(job, force=force or not job.live)
             if job.live:  # a live session (avatar_cli/render/live.py): no resume, one job alone
-                if len(jobs) > 1:
-                    raise SpecError(f"{path}: a live session (audio or output a stream) runs alone, not in a batch")
-                check_live(job, force)
                 rendering = True
                 summary = render.run_session(prepared, reporter, models)
                 reporter.done(summary)

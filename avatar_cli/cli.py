@@ -157,7 +157,7 @@ def render(
 
             if not torch.cuda.is_available():
                 reporter.info(f"note: no GPU here: the {nproc} workers share this host's CPUs, which is slower than "
-                              "one process (measured 1.6x slower on 2 cores); --nproc is meant for GPUs")
+                              "one process; --nproc is meant for GPUs")
             return relaunch(nproc, _without_nproc(sys.argv[1:]), debug)
         # A folder, a glob or a shard is a batch even when it holds one job: the same events every time.
         as_batch = len(jobs) != 1 or shard is not None or any(map(names_several, job_args))
@@ -369,7 +369,8 @@ def _without_nproc(argv: list[str]) -> list[str]:
 
 
 REFERENCE_MIN_SIZE = 16
-REFERENCE_MAX_SIZE = 4096  # measured: 20 s and 2.7 GB at 4096, growing with the square (100000 fails to allocate)
+# Decoding and resizing the reference take time and memory growing with its area (figures: bench/results.md).
+REFERENCE_MAX_SIZE = 4096
 
 
 @app.command()

@@ -51,7 +51,7 @@ def checkpoint_files(folder: Path) -> list[Path]:
 
 
 def test_kill_9_then_resume_is_bit_identical(job_dir: Path, tmp_path: Path):
-    write_wav(job_dir / "long.wav", 12.0)
+    write_wav(job_dir / "long.wav", 8.0)  # 25 chunks: any kill point below leaves some to resume
     job = str(job_dir / "job.yaml")
     full = cli("render", job, f"audio={job_dir / 'long.wav'}", "-o", str(tmp_path / "full.mp4"), "--json")
     assert full.returncode == 0, full.stderr
@@ -83,7 +83,7 @@ def test_kill_9_then_resume_is_bit_identical(job_dir: Path, tmp_path: Path):
 
 
 def test_resume_refuses_when_the_job_changed(job_dir: Path):
-    write_wav(job_dir / "long.wav", 12.0)
+    write_wav(job_dir / "long.wav", 4.0)  # 13 chunks: killed after 3
     job = str(job_dir / "job.yaml")
     proc = start_render(job, f"audio={job_dir / 'long.wav'}")
     try:
@@ -95,7 +95,7 @@ def test_resume_refuses_when_the_job_changed(job_dir: Path):
     changed = cli("render", job, f"audio={job_dir / 'long.wav'}", "seed=99", "--resume", "--json")
     assert changed.returncode == 2
     assert "the job spec changed" in events(changed.stdout)[-1]["message"]
-    write_wav(job_dir / "long.wav", 12.0, freq=330.0)  # same name, new content
+    write_wav(job_dir / "long.wav", 4.0, freq=330.0)  # same name, new content
     changed = cli("render", job, f"audio={job_dir / 'long.wav'}", "--resume", "--json")
     assert changed.returncode == 2 and "the audio changed" in events(changed.stdout)[-1]["message"]
     assert checkpoint_files(job_dir / "out")  # refusing loses nothing
@@ -122,7 +122,7 @@ def test_resume_with_nothing_to_resume_renders_and_skips_what_is_done(job_dir: P
 
 @pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_signal_leaves_partial_and_checkpoint(job_dir: Path, sig, code):
-    write_wav(job_dir / "long.wav", 12.0)
+    write_wav(job_dir / "long.wav", 5.0)  # 15 chunks: signalled after 6
     proc = start_render(str(job_dir / "job.yaml"), f"audio={job_dir / 'long.wav'}")
     try:
         wait_chunks(proc, 6)
@@ -313,7 +313,7 @@ def test_bad_shard_argument(job_dir: Path):
 
 
 def test_disk_full_mid_render_loses_nothing(job_dir: Path, small_disk: Path):
-    write_wav(job_dir / "long.wav", 20.0)
+    write_wav(job_dir / "long.wav", 8.0)  # 25 chunks: the disk fills after 8
     out = small_disk / "video.mp4"
     proc = start_render(str(job_dir / "job.yaml"), f"audio={job_dir / 'long.wav'}", "-o", str(out))
     try:
@@ -604,3 +604,20 @@ def test_an_interrupted_checkpoint_write_leaves_no_temporary_file(tmp_path: Path
     with pytest.raises(KeyboardInterrupt):
         atomic_write(target, b"new")  # how pipeline/checkpoint.py writes its record
     assert os.listdir(tmp_path) == ["video.partial.ckpt.json"] and target.read_text() == "old"
+
+
+def test_a_live_session_checks_its_outputs_once_and_runs_alone(job_dir: Path, monkeypatch):
+    import avatar_cli.job
+
+    playlist = job_dir / "hls" / "live.m3u8"
+    playlist.parent.mkdir()
+    playlist.write_text("#EXTM3U\n")
+    calls = []
+    check_live = avatar_cli.job.check_live
+    monkeypatch.setattr(avatar_cli.job, "check_live", lambda job, force: (calls.append(force), check_live(job, force)))
+    r = cli("render", str(job_dir / "job.yaml"), "-o", str(playlist))
+    assert r.returncode == 2 and "already exists; pass --force" in r.stderr
+    assert calls == [False]  # with --force as given, once
+    assert playlist.read_text() == "#EXTM3U\n"
+    both = cli("render", str(job_dir / "job.yaml"), str(job_dir / "job.yaml"), f"output={playlist}")
+    assert both.returncode == 2 and "runs alone, not in a batch" in both.stderr

@@ -32,12 +32,13 @@ CPU = Runtime(torch.device("cpu"), torch.float32)
 
 class Notes(QuietReporter):
     """Records notes; with `kill_when_resumable` (the partial output), SIGKILLs the decode worker after the first chunk
-    at which a rerun could continue (a resume point whose frames the worker's encoder has flushed to disk)."""
+    at which a rerun could continue (a resume point whose frames the worker's encoder has flushed to disk), and
+    counts the stretches the render hands over after that (`handed_after_kill`: chunks that published frames)."""
 
     def __init__(self, kill_when_resumable: Path | None = None):
         super().__init__(0)
         self.notes: list[str] = []
-        self.partial, self.killed_at = kill_when_resumable, None
+        self.partial, self.killed, self.published, self.handed_after_kill = kill_when_resumable, False, 0, 0
 
     def info(self, message: str) -> None:
         self.notes.append(message)
@@ -46,13 +47,16 @@ class Notes(QuietReporter):
     def worker_pid(self) -> int:
         return int(next(re.search(r"pid (\d+)", n)[1] for n in self.notes if n.startswith("decode: worker")))
 
-    def chunk(self, **_) -> None:
-        if self.partial is None or self.killed_at is not None:
+    def chunk(self, published: int = 0, **_) -> None:
+        if self.killed and published > self.published:
+            self.handed_after_kill += 1
+        self.published = published
+        if self.partial is None or self.killed:
             return
         saved = ckpt.load_checkpoint(self.partial)
         if saved is not None and ckpt.resumable(self.partial, saved, 25):
             os.kill(self.worker_pid, signal.SIGKILL)
-            self.killed_at = time.monotonic()
+            self.killed = True
 
 
 def render(job: Path, reporter: Notes, *overrides: str, resume: str = "never") -> dict:
@@ -112,10 +116,10 @@ def test_worker_frames_equal_inline_and_a_killed_worker_resumes_to_the_same_dige
     notes = Notes(kill_when_resumable=partial)
     with pytest.raises(RenderError) as err:
         render(long_job, notes, "runtime.decode=worker")
-    stopped_s = time.monotonic() - notes.killed_at
     assert re.match(r"the decode worker \(pid \d+\) died \(killed by SIGKILL\) while rendering; the partial file "
                     "and its checkpoint are kept", str(err.value)), str(err.value)
-    assert stopped_s < 10, f"the render went on {stopped_s:.1f} s after its worker died"
+    # It stops at the first hand-over that has to wait on the dead worker: at most the queue's depth more.
+    assert 0 < notes.handed_after_kill <= dw.DEPTH, notes.handed_after_kill
     kept = ckpt.load_checkpoint(partial)
     assert kept.points and all((partial.parent / pt.state_file).is_file() for pt in kept.points)
 
@@ -171,7 +175,7 @@ def test_a_killed_render_takes_its_worker_with_it(job_dir: Path):
         proc.wait(timeout=30)
     finally:
         proc.kill()
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 60  # a guard against a worker that never goes, not a speed bound
     while not gone(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert gone(pid), "the decode worker outlived its render"

@@ -2,10 +2,10 @@
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -22,7 +22,7 @@ from tests.conftest import torchrun
 
 SCRIPTS = Path(__file__).parent / "dist_scripts"
 TORCHRUN = ["--standalone", "--nproc_per_node", "2"]
-FAIL_WITHIN_S = 60.0
+HANG_GUARD_S = 180.0  # a rank that hangs sleeps 600 s: past this the test fails (no speed bound)
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -70,14 +70,19 @@ def test_resident_bytes_per_rank_follow_the_reshard_policy():
     assert resident_bytes(size, 4, "per_stage") == total // 4 + total
 
 
+def stopped_in_the_peers_chunk(stdout: str) -> bool:
+    """Rank 0 finished chunk 1 (its peer then joined chunk 2's collectives), perhaps chunk 2, never chunk 3, where
+    its peer died or hung."""
+    done = [int(m) for m in re.findall(r"^rank 0: chunk (\d+) done$", stdout, re.M)]
+    return done in ([0, 1], [0, 1, 2])
+
+
 def test_killed_rank_ends_the_other_under_torchrun():
-    t0 = time.monotonic()
-    r = torchrun(*TORCHRUN, str(SCRIPTS / "kill_rank.py"), "die", env=_env(), timeout=FAIL_WITHIN_S + 30)
-    elapsed = time.monotonic() - t0
+    r = torchrun(*TORCHRUN, str(SCRIPTS / "kill_rank.py"), "die", env=_env(), timeout=HANG_GUARD_S + 30)
     assert r.returncode != 0
     assert "rank 1: die at chunk 3" in r.stdout
     assert "unreachable" not in r.stdout
-    assert elapsed < FAIL_WITHIN_S
+    assert stopped_in_the_peers_chunk(r.stdout), r.stdout[-2000:]
 
 
 @pytest.mark.parametrize("mode", ["die", "hang"])
@@ -88,17 +93,15 @@ def test_surviving_rank_exits_nonzero_on_its_own(mode):
                               env=_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE="2", RANK=str(r),
                                        LOCAL_RANK=str(r), AVATAR_DIST_TIMEOUT_S="5"),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
-    t0 = time.monotonic()
     try:
-        _, err = procs[0].communicate(timeout=FAIL_WITHIN_S)
-        elapsed = time.monotonic() - t0
+        out, err = procs[0].communicate(timeout=HANG_GUARD_S)  # a hang fails here
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
             p.communicate()
     assert procs[0].returncode != 0, err[-2000:]
-    assert elapsed < FAIL_WITHIN_S
+    assert stopped_in_the_peers_chunk(out), out[-2000:]
     # die: gloo sees the peer's socket close; hang: only our collective timeout can end it.
     expected = ("Connection", "Timed out") if mode == "die" else ("Timed out",)
     assert any(e in err for e in expected), err[-2000:]

@@ -303,8 +303,9 @@ def test_wan_s2v_live_input_and_file_into_a_live_output(tmp_path: Path):
     init_family_dir(tmp_path / "wan", "tiny", seed=0, family="wan-s2v")
     write_reference(tmp_path / "ref.png")
     write_wav(tmp_path / "speech.wav", 2.0)
+    # 64x64: what is tested (the features, the mode) does not depend on the frame size.
     (tmp_path / "job.yaml").write_text("reference: ref.png\naudio: speech.wav\noutput: out.mp4\nmodel: wan\n"
-                                       "mode: streaming\n")
+                                       "mode: streaming\nvideo: {width: 64, height: 64}\n")
     wav = (tmp_path / "speech.wav").read_bytes()
     digests = []
     for pieces in (1, 8):

@@ -16,11 +16,12 @@ from safetensors.torch import save_file
 from avatar_cli.families.mini.dit import DiT
 from avatar_cli.families.mini.config import SIZES
 from avatar_cli.families.mini.text import TextEncoder
+from avatar_cli.families.base import ParallelPlan
 from avatar_cli.runtime import numa
-from avatar_cli.runtime.placement import Placement
+from avatar_cli.runtime.budget import ModelBytes
+from avatar_cli.runtime.placement import Placement, choose_layout
 from avatar_cli.modules.tensor_files import read_safetensors_header
-from avatar_cli.runtime.offload import (ALIGN, BlockOffloader, HostTransfer, MappedCheckpoint, ModelOffloader,
-                                        choose_offload)
+from avatar_cli.runtime.offload import ALIGN, BlockOffloader, HostTransfer, MappedCheckpoint, ModelOffloader
 
 DEPTH = 4  # more blocks than buffers, so blocks really stream through the double buffer
 
@@ -229,18 +230,23 @@ def test_offload_rejects_modules_with_buffers():
         BlockOffloader(m, HostTransfer())
 
 
-def test_choose_offload_decides_from_free_memory_and_logs(caplog):
+def test_choose_layout_offload_decides_from_free_memory():
     gib = 2**30
-    sizes = {"dit": 28 * gib, "sr": 4 * gib, "vae": 1 * gib}
-    with caplog.at_level(logging.INFO, logger="avatar_cli.runtime.offload"):
-        assert choose_offload("auto", 70 * gib, sizes, working_bytes=8 * gib) == "none"
-        assert choose_offload("auto", 40 * gib, sizes, working_bytes=8 * gib) == "model"
-        # The DiT alone would fit in 37, but not beside the SR it prefetches for the next stage.
-        assert choose_offload("auto", 37 * gib, sizes, working_bytes=8 * gib) == "block"
-        assert choose_offload("auto", 20 * gib, sizes, working_bytes=8 * gib) == "block"
-        assert choose_offload("block", 80 * gib, sizes) == "block"
-    assert "auto chose block" in caplog.text and "free 20.00 GiB" in caplog.text
-    assert "set by runtime.offload" in caplog.text
+    sizes = {"dit": ModelBytes(28 * gib, "bfloat16"), "sr": ModelBytes(4 * gib, "bfloat16"),
+             "vae": ModelBytes(1 * gib, "bfloat16")}
+
+    def layout(policy, free, working=0):
+        return choose_layout(sizes, ParallelPlan(), 1, free, working, offload=policy)
+
+    assert layout("auto", 70 * gib, 8 * gib).offload == "none"
+    assert layout("auto", 40 * gib, 8 * gib).offload == "model"
+    # The DiT alone would fit in 37, but not beside the SR it prefetches for the next stage.
+    assert layout("auto", 37 * gib, 8 * gib).offload == "block"
+    low = layout("auto", 20 * gib, 8 * gib)
+    assert low.offload == "block"
+    assert "auto chose block" in low.offload_why and "free 20.00 GiB" in low.offload_why
+    forced = layout("block", 80 * gib)
+    assert forced.offload == "block" and "set by runtime.offload" in forced.offload_why
 
 
 # NUMA placement

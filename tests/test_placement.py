@@ -13,8 +13,24 @@ from avatar_cli.job import resolve
 from avatar_cli.report import QuietReporter
 from avatar_cli.runtime.offload import HostTransfer
 from avatar_cli.spec import load_job
+from tests.conftest import write_job, write_wav
 
 GIB = 2**30
+
+
+@pytest.fixture(scope="module")
+def job_dir(tmp_path_factory, tiny_model: Path) -> Path:
+    """One job for the module's renders (each writes its own output): 1 s of audio, two N chunks and an I chunk,
+    so every stage runs and the DiT runs more than once; what offload does is the same at any length."""
+    folder = write_job(tmp_path_factory.mktemp("placement"), tiny_model)
+    write_wav(folder / "speech.wav", 1.0)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def plain(job_dir: Path) -> dict:
+    """The render without offload, that each offloaded one must equal."""
+    return render(job_dir, "plain", "none", None)[0]
 
 
 def render(job_dir: Path, name: str, offload: str, transfer: HostTransfer | None, free_bytes: int | None = None
@@ -29,8 +45,7 @@ def render(job_dir: Path, name: str, offload: str, transfer: HostTransfer | None
 
 
 @pytest.mark.parametrize("offload", ["model", "block"])
-def test_offloaded_render_equals_resident_and_leaves_nothing_on_the_device(job_dir: Path, offload: str):
-    plain, _ = render(job_dir, "plain", "none", None)
+def test_offloaded_render_equals_resident_and_leaves_nothing_on_the_device(job_dir: Path, plain: dict, offload: str):
     t = HostTransfer()
     off, cache = render(job_dir, offload, offload, t, free_bytes=GIB)
     assert off["frames_digest"] == plain["frames_digest"]  # 0xFF (NaN) device memory would show if a copy were missed

@@ -1,15 +1,16 @@
 """The wan-s2v streaming mode (avatar_cli/families/wan_s2v/live.py): block and audio arithmetic; the family's block loop
 against THEIR CausalWanModel_S2V goldens (tests/golden/make_liveavatar_goldens.py); determinism, bounded state and a
-resume from a saved RollingState on the golden tiny DiT; a render through the real runner (the registry's family
-swapped for the streaming one, as the integration will select it), kill -9 and --resume, and TTFF vs clip mode."""
+resume from a saved RollingState on the golden tiny DiT; a render through avatar_cli.render (the job's mode key
+choosing the streaming family), kill -9 and --resume, and TTFF vs clip mode."""
 
+import contextlib
 import io
 import json
 import random
 import signal
 import subprocess
-import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -25,7 +26,7 @@ from avatar_cli.families.wan_s2v.vae import WanVAECache
 from avatar_cli.families import registry
 from avatar_cli.pipeline.checkpoint import state_from_tensors, state_tensors
 from avatar_cli.pipeline.schedule import num_frames
-from tests.conftest import avatar, write_reference, write_wav
+from tests.conftest import avatar, start_avatar, write_reference, write_wav
 from tests.test_wan_causal import golden, model, rel  # noqa: F401 (fixtures)
 from tests.test_wan_family import events
 
@@ -189,67 +190,42 @@ def test_state_is_bounded_and_resumes_bit_identically(model, golden):
     assert torch.equal(first[0], out[0]) and not torch.equal(other[0][7:], out[0][7:])
 
 
-# --- renders through the runner ----------------------------------------------------------------------------------
+# --- renders through avatar_cli.render ----------------------------------------------------------------------------------
 
-class FirstPut:
-    """Records when a family's decode first handed frames to the encoder (`log["first_put"]`)."""
-
+@contextlib.contextmanager
+def recording(family_class: type) -> Iterator[dict]:
+    """Records, while in the block, what `family_class`'s own decode did: which class ran it ("family"), when it
+    first handed frames to the encoder ("first_put") and, per decoded block, the rolling state's tensor bytes (held
+    stretches included) and the decoder cache's. The job's mode key picks the family, as a user's job does."""
     log: dict = {}
+    decode = family_class.decode
 
-    def decode(self, models, final, state, put):
+    def recorded(self, models, final, state, put):
+        log.setdefault("family", type(self))
+
         def timed(x):
-            self.log.setdefault("first_put", time.perf_counter())
+            log.setdefault("first_put", time.perf_counter())
             put(x)
 
-        return super().decode(models, final, state, timed)
-
-
-class Recording(FirstPut, LiveAvatarFamily):
-    """Also records, per decoded block, the rolling state's tensor bytes (held stretches included)."""
-
-    def decode(self, models, final, state, put):
-        made = super().decode(models, final, state, put)
+        made = decode(self, models, final, state, timed)
         held = sum(z.numel() * z.element_size() for _, _, z in state.held)
-        self.log.setdefault("bytes", []).append(state_bytes(state) + held)
-        self.log.setdefault("vae_bytes", []).append(sum(t.numel() * t.element_size() for k, t in state.tensors.items()
-                                                        if k.startswith("vae.")))
+        log.setdefault("bytes", []).append(state_bytes(state) + held)
+        log.setdefault("vae_bytes", []).append(sum(t.numel() * t.element_size() for k, t in state.tensors.items()
+                                                   if k.startswith("vae.")))
         return made
 
-
-class ClipRecording(FirstPut, WanS2VFamily):
-    pass
-
-
-def family_of(family_class: type) -> property:
-    """A stand-in for ModelSource.config_family that gives `family_class` for a wan-s2v model's config."""
-    return property(lambda self: family_class(self.config))
-
-
-def streaming_everywhere() -> None:
-    """What the integration will do for a job in streaming mode: the registry gives the streaming family."""
-    registry.ModelSource.config_family = family_of(LiveAvatarFamily)
-
-
-def main() -> None:
-    """`python -c 'from tests.test_wan_live import main; main()' render ...`: the CLI with the streaming family."""
-    streaming_everywhere()
-    from avatar_cli.cli import main as cli_main
-
-    cli_main()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(family_class, "decode", recorded)
+        yield log
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    """The CLI with the streaming family, run in this process."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(registry.ModelSource, "config_family", family_of(LiveAvatarFamily))
-        return avatar(*args, cwd=REPO)
+    return avatar(*args, cwd=REPO)
 
 
 def killed_after(chunks: int, *args: str) -> None:
-    """Run the streaming CLI in a process of its own (main) and SIGKILL it as soon as it has reported `chunks`
-    chunks."""
-    proc = subprocess.Popen([sys.executable, "-c", "from tests.test_wan_live import main; main()", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    """Run the CLI in a process of its own and SIGKILL it as soon as it has reported `chunks` chunks."""
+    proc = start_avatar(*args, cwd=REPO)
     try:
         reported = (line for line in proc.stdout if json.loads(line)["event"] == "chunk")
         for _ in range(chunks):
@@ -268,37 +244,38 @@ def wan_dir(tmp_path_factory) -> Path:
 
 
 def write_job(folder: Path, wan_dir: Path, seconds: float = SECONDS) -> Path:
-    """A job of the tiny model at 64x64, float32 (and lossless video: frames compare exactly)."""
+    """A streaming job of the tiny model at 64x64, float32 (and lossless video: frames compare exactly)."""
     write_reference(folder / "ref.png")
     write_wav(folder / "speech.wav", seconds)
     (folder / "job.yaml").write_text(
         f"reference: ref.png\naudio: speech.wav\noutput: out/video.mp4\nmodel: {wan_dir}\nprompt: a person talking\n"
-        "seed: 3\nvideo: {width: 64, height: 64, crf: 0}\nruntime: {dtype: float32, text_cache: off}\n")
+        "mode: streaming\nseed: 3\nvideo: {width: 64, height: 64, crf: 0}\n"
+        "runtime: {dtype: float32, text_cache: off}\n")
     return folder / "job.yaml"
 
 
-def render_in_process(job: Path, family_class: type, overrides: list[str] = ()) -> dict:
-    from avatar_cli.report import JsonReporter
+def render_in_process(job: Path, family_class: type, overrides: list[str] = ()) -> tuple[dict, dict]:
+    """The job rendered through avatar_cli.render in this process -> (its summary, `recording(family_class)`'s log)."""
     from avatar_cli.job import resolve
+    from avatar_cli.report import JsonReporter
     from avatar_cli.render import render
     from avatar_cli.spec import load_job
 
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(registry.ModelSource, "config_family", family_of(family_class))
+    with recording(family_class) as log:
         p = resolve(load_job(job, list(overrides)), force=True)
         t0 = time.perf_counter()
         done = render(p, JsonReporter(io.StringIO()))
+    assert log["family"] is family_class  # the job's mode key chose it
     done["start"] = t0
-    return done
+    return done, log
 
 
 @pytest.fixture(scope="module")
 def streamed(tmp_path_factory, wan_dir: Path) -> tuple[Path, dict, dict]:
-    """One streaming render of the tiny model (float32, lossless video) through the runner, in this process."""
+    """One streaming render of the tiny model (float32, lossless video) through avatar_cli.render, in this process."""
     job = write_job(tmp_path_factory.mktemp("live_render"), wan_dir)
-    Recording.log = {}
-    done = render_in_process(job, Recording)
-    return job, done, dict(Recording.log)
+    done, log = render_in_process(job, LiveAvatarFamily)
+    return job, done, log
 
 
 @pytest.mark.slow
@@ -344,11 +321,10 @@ def test_time_to_first_frame_vs_clip_mode(streamed):
     """Reported, not asserted: the same job (inputs, seed, size) in clip mode, at 4 steps to keep the test short
     (its default is 40 steps with CFG, two forwards each: 20 x the DiT work of this run)."""
     job, done, log = streamed
-    ClipRecording.log = {}
-    clip = render_in_process(job, ClipRecording, ["sampling.steps=4"])
+    clip, clip_log = render_in_process(job, WanS2VFamily, ["mode=clip", "sampling.steps=4"])
     assert clip["frames"] == done["frames"]
     stream_first = log["first_put"] - done["start"]
-    clip_first = ClipRecording.log["first_put"] - clip["start"]
+    clip_first = clip_log["first_put"] - clip["start"]
     print(f"\nTTFF, tiny 64x64 float32 on this CPU ({torch.get_num_threads()} threads): streaming "
           f"{done['ttff_s']:.2f} s to the first block published ({stream_first:.2f} s to its first frame, "
           f"{done['compute_s'].get('decode', 0):.1f} s decoding in all); clip mode at 4 steps {clip['ttff_s']:.2f} s "

@@ -84,7 +84,7 @@ def job(models) -> Path:
     folder = models.root / "job"
     folder.mkdir()
     write_reference(folder / "ref.png")
-    write_wav(folder / "speech.wav", 6.0)
+    write_wav(folder / "speech.wav", 2.0)  # one clip: the merge is the same for every clip
     (folder / "job.yaml").write_text(
         "reference: ref.png\naudio: speech.wav\noutput: out/video.mp4\nmodel: ../Wan2.2-S2V-tiny\n"
         f"lora: ../Live-Avatar/liveavatar.safetensors\nlora_rank: {RANK}\nlora_scale: {SCALE}\n"
@@ -112,7 +112,7 @@ def one_rank(job: Path, models) -> SimpleNamespace:
 
 
 def test_lora_render_equals_a_render_of_premerged_weights(job: Path, models, one_rank):
-    assert one_rank.done["frames"] == 96 and one_rank.done["ranks"] == 1
+    assert one_rank.done["frames"] == 32 and one_rank.done["ranks"] == 1
     premerged = render(job, models.root / "premerged.mp4", *SETTINGS, f"model={models.premerged}", "lora=null")
     assert premerged["frames_digest"] == one_rank.done["frames_digest"]  # every frame, bit for bit
 
@@ -121,7 +121,7 @@ def test_two_ranks_merge_their_rows_and_match_one_rank(job: Path, models, one_ra
     two = render(job, models.root / "two.mp4", *SETTINGS, "--nproc", "2")
     assert two["ranks"] == 2
     a, b = frames(one_rank.video), frames(models.root / "two.mp4")
-    assert a.shape == b.shape == (96, 64, 64, 3)
+    assert a.shape == b.shape == (32, 64, 64, 3)
     diff = np.abs(a - b)
     # The bound of tests/test_wan_family.py::test_two_ranks_match_one (Ulysses sums in another order; lossless).
     assert (diff > 0).mean() < 1e-3 and diff.max() <= 6, ((diff > 0).mean(), diff.max())

@@ -99,13 +99,10 @@ class ModelSource:
         return self.spec.name
 
     @cached_property
-    def config_family(self) -> Family:
-        return self.spec.family(self.config, self.mode)
-
-    @cached_property
     def family(self) -> Family:
-        """The family that knows these models (one object per source: it may cache its tokenizer)."""
-        return self.config_family
+        """The family that knows these models, in this source's mode (one object per source: it may cache its
+        tokenizer)."""
+        return self.spec.family(self.config, self.mode)
 
     def weight_files(self) -> list[Path]:
         """The files a render reads weights from (the resume fingerprint hashes their size, mtime, header)."""

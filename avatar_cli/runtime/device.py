@@ -34,8 +34,8 @@ class CpuInfo:
     def native_bf16(self) -> bool:
         """bf16 matmuls and convolutions run in hardware: AVX512_BF16 or AMX, with torch's AVX-512 kernels on.
 
-        Without them torch and oneDNN emulate bf16, over a hundred times slower than float32 on the same CPU
-        (bench/results.md: the bf16 and fp32 matmul peaks of the AVX2-capped pipeline benchmarks).
+        Without them torch and oneDNN emulate bf16, far slower than float32 on the same CPU (bench/results.md:
+        the bf16 and fp32 matmul peaks of the AVX2-capped pipeline benchmarks).
         """
         return self.capability.startswith("AVX512") and (self.avx512_bf16 or self.amx)
 
@@ -64,7 +64,7 @@ def auto_dtype(device: str, cpu: CpuInfo | None = None) -> tuple[torch.dtype, st
     if cpu.native_bf16:
         return torch.bfloat16, f"auto: bfloat16, native on this CPU ({cpu.describe()})"
     return torch.float32, (f"auto: float32, this CPU has no native bf16 ({cpu.describe()}); "
-                           "emulated bf16 is about 100x slower")
+                           "emulated bf16 is far slower")
 
 
 _START_THREADS = torch.get_num_threads()

@@ -29,7 +29,6 @@ torch 2.14's FSDP2 CPU offload copies synchronously at world size 1, hence this 
 """
 
 import contextlib
-import logging
 import mmap
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -41,7 +40,6 @@ from torch import nn
 
 from avatar_cli.runtime.quantize import is_quantized, stored_bytes
 
-log = logging.getLogger(__name__)
 ALIGN = 256  # bytes; keeps every view aligned for any dtype and for vectorized copies
 
 OffloadPolicy = Literal["auto", "none", "model", "block"]
@@ -641,14 +639,6 @@ def offload_choice(policy: OffloadPolicy, free_bytes: int, model_sizes: Mapping[
     gib = 2**30
     return choice, (f"auto chose {choice} (free {free_bytes / gib:.2f} GiB; models {total / gib:.2f} GiB in all, "
                     f"largest {largest / gib:.2f} GiB; working {working_bytes / gib:.2f} GiB)")
-
-
-def choose_offload(policy: OffloadPolicy, free_bytes: int, model_sizes: Mapping[str, int],
-                   working_bytes: int = 0) -> Literal["none", "model", "block"]:
-    """offload_choice, logged (keep a margin in working_bytes: the allocator fragments)."""
-    choice, why = offload_choice(policy, free_bytes, model_sizes, working_bytes)
-    log.info("offload: %s", why)
-    return choice
 
 
 def host_tier_choice(setting: str, host_free: int | None, pinned_bytes: int, mappable: str | None

@@ -98,8 +98,8 @@ def check_setting(setting: str, family: Family) -> None:
 
 def choose(setting: str, family: Family, runtime: Runtime) -> tuple[str, str]:
     """("inline" | "worker", why). auto: the worker only where it pays, on CUDA (the decode overlaps the DiT's next
-    chunk on another device, or between its kernels); on a CPU both processes share the same cores, and measured on
-    2 cores the worker is slower than inline (bench/results.md, "decode worker")."""
+    chunk on another device, or between its kernels); on a CPU both processes share the same cores, so the worker
+    gains nothing over inline (bench/results.md, "decode worker")."""
     if setting != "auto":
         return setting, "asked for"
     if family.decode_feeds_back:

@@ -15,7 +15,6 @@ FACE_CY = -0.08  # face ellipse centre (v); the face spans roughly v in [-0.68, 
 PIVOT = (0.0, 0.62)  # head tilt pivot: the base of the neck, hidden under the collar
 MOUTH_HALF_OPEN_MAX = 0.08  # inner-mouth half height at mouth_open = 1
 JAW_DROP = 0.5  # the mouth centre moves down by this x inner half height (the jaw opens)
-MAX_SWAY = 0.05  # largest |head shift| in canonical units the mouth meter has to tolerate
 # Region the mouth meter reads (u0, u1, v0, v1). Narrow in u on purpose: it always lies on
 # lips, skin or neck (never hair or background) yet holds the mouth centre under any sway.
 MEASURE_BOX = (-0.10, 0.10, 0.13, 0.46)

@@ -90,8 +90,8 @@ class single_thread:
     """Run small-tensor work on one intra-op thread.
 
     Waking a second OpenMP thread costs a scheduler time slice when the other core is busy
-    (e.g. a training loop next door): measured 40x slower static builds on a loaded 2-core
-    machine. Patches and per-identity layers are too small to gain from a second thread.
+    (e.g. a training loop next door), many times the work itself (bench/results.md). Patches and
+    per-identity layers are too small to gain from a second thread.
     """
 
     def __enter__(self) -> None:

@@ -11,7 +11,6 @@ Identity and audio seeds come only from the training ranges of `avatar_cli.synth
 Expression and energy labels are drawn by `make_clip` from the two seeds.
 """
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -160,9 +159,3 @@ def load_clips(paths: list[Path]) -> dict[str, torch.Tensor]:
     items = [load_file(str(p)) for p in paths]
     return {k: torch.stack([it[k] for it in items]) for k in items[0]}
 
-
-@dataclass
-class CacheSpec:
-    kind: str  # "dit" or "sr"
-    count: int
-    clip_s: float

@@ -43,7 +43,7 @@ class TrainPlan:
     dit_seam_weight: float = 3.0  # loss weight of the 2 frames next to a given frame (where chunks meet)
     cond_noise: float = 0.03  # noise on given frames half of the time: the model learns to trust imperfect ones
     shift: float = 3.0  # training noise levels follow the sampler's shifted schedule
-    dit_autocast: bool = True  # bf16 autocast on the DiT (measured ~20% faster on CPU); convs stay fp32
+    dit_autocast: bool = True  # bf16 autocast on the DiT (faster on CPU: bench/results.md); convs stay fp32
     # Decoder polish: the encoder is frozen (the cached latents, and so the DiT and SR, stay valid) and the
     # decoder trains alone at the native size on the encoder's mean latents, as the render decodes them.
     # Windows, clip length and mouth weight as in the VAE phase; fresh clips.

@@ -2,7 +2,7 @@
 
 argv[1]: "die" (rank 1 SIGKILLs itself between collectives), "hang" (rank 1 stops calling collectives
 but stays alive) or "raise" (rank 1 raises). The surviving rank must exit non-zero on its own,
-within the collective timeout, never hang.
+within the collective timeout, never hang; each rank prints each chunk it finished.
 """
 
 import os
@@ -35,6 +35,7 @@ def main(mode: str) -> None:
             else:
                 raise RuntimeError("rank 1 failed on purpose")
         dit(*args)
+        print(f"rank {d.rank}: chunk {chunk} done", flush=True)
     print("unreachable: rendered every chunk", flush=True)
 
 

@@ -86,8 +86,8 @@ def _fast_path(layer: nn.Module, x: torch.Tensor) -> bool:
 
 
 def linear_gelu(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """gelu_tanh(linear(x)), with the GELU fused into oneDNN's matmul on CPU: 4.3 vs 8.7 ms for the DiT's
-    (1792, 128) -> 512 MLP input on an AVX2 CPU (torch's own tanh-GELU is the slow part)."""
+    """gelu_tanh(linear(x)), with the GELU fused into oneDNN's matmul on CPU: torch's own tanh-GELU is the slow
+    part of the DiT's MLP input (bench/results.md)."""
     if not _fast_path(linear, x):
         return F.gelu(linear(x), approximate="tanh")
     return torch.ops.mkldnn._linear_pointwise(x, linear.weight, linear.bias, "gelu", [], "tanh")

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from transformers import Wav2Vec2FeatureExtractor
 
-if TYPE_CHECKING:  # transformers' modeling import takes 1.9 s: made where a model is loaded
+if TYPE_CHECKING:  # transformers' modeling import is slow: made where a model is loaded
     from transformers import Wav2Vec2Model
 
 __all__ = ["SAMPLE_RATE", "HOP", "FIELD", "W2V_FPS", "FEATURE_FPS", "VIDEO_FPS", "CLIP_FRAMES", "NUM_LAYERS",

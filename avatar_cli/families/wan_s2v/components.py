@@ -41,7 +41,7 @@ class Wav2Vec2Audio(nn.Module):
     """wav2vec2 (the CTC model's encoder; its head is never used) -> (25, T_w, dim) hidden states."""
 
     def __init__(self, config: Wav2Vec2Config, extractor: Wav2Vec2FeatureExtractor):
-        from transformers import Wav2Vec2Model  # modeling: 1.9 s of import, paid only where a model is built
+        from transformers import Wav2Vec2Model  # modeling: a slow import, paid only where a model is built
 
         super().__init__()
         self.model = Wav2Vec2Model(config).eval()

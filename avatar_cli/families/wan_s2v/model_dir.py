@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
-# transformers' modeling classes (1.9 s of import) are imported where a model is built or loaded, so that
+# transformers' modeling classes (a slow import) are imported where a model is built or loaded, so that
 # `avatar validate`, `models check` and the --nproc launcher, which read configs and headers only, skip them.
 from transformers import UMT5Config, Wav2Vec2Config, Wav2Vec2FeatureExtractor
 

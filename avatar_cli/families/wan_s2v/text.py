@@ -26,7 +26,7 @@ import regex
 import torch
 from transformers import PreTrainedTokenizerFast, UMT5Config
 
-if TYPE_CHECKING:  # transformers' modeling import takes 1.9 s: made where the encoder is built
+if TYPE_CHECKING:  # transformers' modeling import is slow: made where the encoder is built
     from transformers import UMT5EncoderModel
 
 __all__ = ["UMT5Params", "UMT5_XXL", "TEXT_LEN", "S2V_NEGATIVE_PROMPT", "umt5_config", "build_text_encoder",

@@ -190,8 +190,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cpu":
-            # F.normalize's strided vector_norm over dim 1 was 6-12x slower on a CPU than this sum of squares (the
-            # same value to 1 ulp; bench/wan_vae_cpu.py). On a GPU the full-size square would cost memory: kept.
+            # F.normalize's strided vector_norm over dim 1 is slower on a CPU than this sum of squares (the same
+            # value to 1 ulp; bench/wan_vae_cpu.py, figures in bench/results.md). On a GPU the full-size square would cost memory: kept.
             norm = (x * x).sum(dim=1, keepdim=True).sqrt_().clamp_min_(1e-12)  # (B, 1, ...): F.normalize's eps
             return x / norm * self.scale * self.gamma  # same shape as x
         return F.normalize(x, dim=1) * self.scale * self.gamma  # same shape as x
