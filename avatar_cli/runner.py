@@ -38,6 +38,7 @@ from avatar_cli.runtime.distributed import Dist, current_dist, launched_by_torch
 from avatar_cli.runtime.numa import bind_to_gpu_node
 from avatar_cli.runtime.offload import Transfer, host_available
 from avatar_cli.runtime.placement import Placement, place, plan_for
+from avatar_cli.runtime.rings import RingStore
 from avatar_cli.stages.decode_worker import DecodeWorker
 from avatar_cli.spec import Decode
 from avatar_cli.stages.publish import Publisher
@@ -136,19 +137,21 @@ class ModelCache:
     free_bytes: int | None = None
 
     def get(self, source: ModelSource, runtime: Runtime, dist: Dist, rt_spec, reporter: Reporter,
-            skip: Collection[str] = (), working_bytes: int | None = None) -> tuple[dict[str, Module], Placement]:
+            skip: Collection[str] = (), working_bytes: int | None = None,
+            rings: RingStore = RingStore()) -> tuple[dict[str, Module], Placement]:
         """skip: components this job does not need loaded (its prompt is in the text cache). A set that lacks
         what a later job needs gets just those loaded and placed beside it. working_bytes: device memory the
-        layout keeps free for state and activations (None: placement's default reserve)."""
+        layout keeps free for state and activations (None: placement's default reserve). rings: where the
+        family's key/value rings live (place_rings), held by the placement."""
         key = (source.fingerprint, str(runtime.device), str(runtime.dtype), rt_spec.offload.value,
                rt_spec.reshard.value, rt_spec.shard.value, rt_spec.weights.value, rt_spec.vae_dtype.value,
-               rt_spec.offload_host.value)
+               rt_spec.offload_host.value, rings)
         if key not in self.loaded:
             if not source.trained:
                 reporter.info(f"note: model '{source.name}' has no trained weights yet: a seeded random init stands "
                               "in, so the video shows noise, not a face")
             self.loaded.clear()  # keep one model set resident, not one per model ever used
-            self.loaded[key] = ({}, Placement())
+            self.loaded[key] = ({}, Placement(rings=rings))
         modules, placement = self.loaded[key]
         wanted = [n for n in source.family.components if n not in skip and n not in modules]
         if wanted:
@@ -158,7 +161,7 @@ class ModelCache:
                           free_bytes=self.free_bytes,
                           plan=plan_for(source.family.parallel.with_dtype("vae", rt_spec.vae_dtype.value), more),
                           shard=rt_spec.shard.value, weights=rt_spec.weights.value,
-                          offload_host=rt_spec.offload_host.value,
+                          offload_host=rt_spec.offload_host.value, rings=rings,
                           **({} if working_bytes is None else {"working_bytes": working_bytes}))
             if modules:  # beside a placed set: the stages look each component up by name in either
                 placement.offloaders.update(added.offloaders)
@@ -170,14 +173,15 @@ class ModelCache:
         return modules, placement
 
 
-def _working_bytes(p: ResolvedJob, runtime: Runtime, dist: Dist, models: ModelCache) -> int | None:
+def _working_bytes(p: ResolvedJob, runtime: Runtime, dist: Dist, models: ModelCache,
+                   rings: RingStore) -> int | None:
     """Where placement chooses from free device memory (a GPU, or the CPU standing in for one), the state and
     activations it keeps free: counted on the meta device for this job, as `avatar plan` counts them (plan.py), so
     a render and its plan choose the same layout. None: the family has no budget (placement's default reserve)."""
     rt = p.job.spec.runtime
     if not (runtime.is_cuda or models.transfer is not None) or "auto" not in (rt.offload.value, rt.shard.value):
         return None
-    working = render_working_bytes(p, runtime, dist.rank, p.model.family.rings_at != "device")
+    working = render_working_bytes(p, runtime, dist.rank, not rings.on_device)
     if working is not None:
         log.info("placement: %.1f GB kept free for state and activations (counted on the meta device)",
                  working / 1e9)
@@ -210,24 +214,24 @@ def setup_runtime(spec, runtime: Runtime | None = None) -> tuple[Runtime, Dist]:
     return runtime, dist
 
 
-def place_rings(p: ResolvedJob, runtime: Runtime, skip: Collection[str] = ()) -> str | None:
-    """`runtime.rings` for this render, decided before placement as `avatar plan` decides it (plan.rings_on_host),
-    set on the family; returns why (None: the family keeps no rings). Rings in host memory the host cannot hold
+def place_rings(p: ResolvedJob, runtime: Runtime, skip: Collection[str] = ()) -> tuple[RingStore, str | None]:
+    """`runtime.rings` for this render, decided before placement as `avatar plan` decides it (plan.rings_on_host)
+    -> (where the rings live, why; None: the family keeps no rings). Rings in host memory the host cannot hold
     are exit 2 now, not an allocation failure blocks later."""
-    family = p.model.family
     free = torch.cuda.mem_get_info(runtime.device)[0] if runtime.is_cuda else None
     avail = host_available()
     got = render_rings(p, runtime, free, avail, skip)
-    family.rings_at = got[0] if got is not None else "device"
-    # A scratch file beside the output (a stream's: in the working folder), on its disk, not a RAM-backed /tmp.
-    out = p.job.output
-    family.rings_folder = out.parent if isinstance(out, Path) and not p.job.live else Path.cwd()
-    if family.rings_at == "host":
-        need = family.resume_bytes(p.gen_size, p.job.spec.sampling.steps)
+    at, folder = got[0] if got is not None else "device", None
+    if at == "disk":  # a scratch file beside the output (a stream's: in the working folder), not a RAM-backed /tmp
+        out = p.job.output
+        folder = out.parent if isinstance(out, Path) and not p.job.live else Path.cwd()
+    rings = RingStore(at, folder)
+    if at == "host":
+        need = p.model.family.resume_bytes(p.gen_size, p.job.spec.sampling.steps)
         if avail is not None and need > avail:
             raise InputError(f"runtime.rings: host: the key/value rings need {need / 1e9:.1f} GB of host memory, "
                              f"{avail / 1e9:.1f} GB is available (runtime.rings: disk keeps them in a file)")
-    return got[1] if got is not None else None
+    return rings, got[1] if got is not None else None
 
 
 def _resume_point(p: ResolvedJob, fingerprint: dict[str, str], reporter: Reporter, strict: bool):
@@ -354,12 +358,13 @@ def _render_locked(p: ResolvedJob, reporter: Reporter, models: ModelCache | None
     steps = p.parallel == Split.steps
     absent = rank_skips(p.model.family, dist.rank) if steps else set()
     skip = {*prompt_cache.skipped(prompts, spec.prompt), *absent}
-    rings_why = place_rings(p, runtime, skip)
+    rings, rings_why = place_rings(p, runtime, skip)
     if main and rings_why is not None:
-        reporter.info(f"rings: {p.model.family.rings_at} ({rings_why})")
+        reporter.info(f"rings: {rings.at} ({rings_why})")
     models = models or ModelCache()
     modules, placement = models.get(p.model, runtime, Dist() if steps else dist, spec.runtime, reporter,
-                                    skip=skip, working_bytes=_working_bytes(p, runtime, dist, models))
+                                    skip=skip, working_bytes=_working_bytes(p, runtime, dist, models, rings),
+                                    rings=rings)
     pipeline = Pipeline(modules, p.model.family, runtime, placement, prompts=prompts,
                         steps_dist=dist if steps else None, absent=absent)
     image = p.model.family.fit_reference(p.image, *p.gen_size)  # (3, H, W) in [-1, 1]

@@ -189,9 +189,9 @@ def run_session(p: ResolvedJob, reporter: Reporter, models: ModelCache | None = 
         # The timestep pipeline: each rank loads what its role runs and places it alone (nothing is sharded).
         absent = rank_skips(family, dist.rank) if steps else set()
         skip = {*prompt_cache.skipped(prompts, spec.prompt), *absent}
-        place_rings(p, runtime, skip)
+        rings, _ = place_rings(p, runtime, skip)
         modules, placement = (models or ModelCache()).get(p.model, runtime, Dist() if steps else dist, spec.runtime,
-                                                          reporter, skip=skip)
+                                                          reporter, skip=skip, rings=rings)
         pipeline = Pipeline(modules, family, runtime, placement, prompts=prompts,
                             steps_dist=dist if steps else None, absent=absent)
         image = family.fit_reference(p.image, *p.gen_size)  # (3, H, W) in [-1, 1]
