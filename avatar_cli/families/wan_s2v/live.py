@@ -311,7 +311,7 @@ class LiveAvatarFamily(WanS2VFamily):
         rings: where they live (runtime/rings.py: on the device, in host memory, in a scratch file), which
         allocates them and takes in a resumed state's."""
         own = {k[len(CACHE_PREFIX):]: v for k, v in state.tensors.items() if k.startswith(CACHE_PREFIX)}
-        if own and not rings.on_device:  # a resumed state, loaded onto the device: where the rings live
+        if own and not rings.on_device:  # a resumed state's, read onto the device, go where the rings live
             own = {n: rings.adopt(t, ring=n in ("k", "v")) for n, t in own.items()}
             state.tensors.update({CACHE_PREFIX + n: t for n, t in own.items()})
         if own:
