@@ -278,7 +278,6 @@ def prefill_sink(model: WanS2VDiT, caches: CausalCaches, ref: torch.Tensor, moti
     freqs = _rope_f16(_positions(p, 1, ref.shape[-2], ref.shape[-1])[1].to(x.device), p.head_dim)  # (N, Dh/2)
     e0 = _time(model, torch.zeros(1, device=x.device))[1]  # (1, 6, D) t = 0
     ctx = _embed_text(model, context)  # (1, text_len, D)
-    row_e0 = e0[0, :, None].expand(-1, x.shape[1], -1)  # (6, n, D) every row at t = 0
     ks, vs = [], []
 
     def keep(q, k, v):  # (1, h, N, Dh) the rank's heads
@@ -291,7 +290,7 @@ def prefill_sink(model: WanS2VDiT, caches: CausalCaches, ref: torch.Tensor, moti
         # Called, so that what wraps the blocks from outside (offload, FSDP2) sees each one run; the last layer
         # runs only its self-attention: its keys and values are all the sink needs.
         attend = functools.partial(_self_attention, block, tokens=N, exchange=exchange, attend=keep)
-        x = block(x, None, 0, None, ctx, row_e0=row_e0, attend=attend, attention_only=i == last)  # (1, n, D)
+        x = block(x, None, 0, None, ctx, frame_e0=e0, attend=attend, attention_only=i == last)  # (1, n, D)
     caches.sink_k = _beside(torch.stack(ks).to(caches.k.dtype), caches.k)  # (layers, N, h, Dh)
     caches.sink_v = _beside(torch.stack(vs).to(caches.v.dtype), caches.v)  # (layers, N, h, Dh)
 
@@ -360,7 +359,6 @@ def causal_forward(model: WanS2VDiT, caches: CausalCaches, step: int, x: torch.T
     # dit.inject cuts the rows at latent-frame boundaries (a rank's rows may start or end inside a frame); it reads
     # only the row count, seg, start and the audio tokens of this sequence description.
     seq = S2VSequence(h, L, rows.start, freqs, e0, e, inputs.context, inputs.audio_local, inputs.audio_global, grid)
-    row_e0 = e0[frame_of].transpose(0, 1)  # (6, n, D) each row's frame's modulation
     for i, block in enumerate(model.blocks):
         ring_k, ring_v = caches.k[step, i], caches.v[step, i]  # (ring, h, Dh) the rank's heads
 
@@ -377,7 +375,7 @@ def causal_forward(model: WanS2VDiT, caches: CausalCaches, step: int, x: torch.T
             return F.scaled_dot_product_attention(q, keys.to(q.dtype), vals.to(q.dtype))  # (1, h, L, Dh)
 
         attend = functools.partial(_self_attention, block, tokens=L, exchange=exchange, attend=ring_attention)
-        h = block(h, None, 0, None, inputs.context, row_e0=row_e0, attend=attend)  # (1, n, D), the block called
+        h = block(h, None, 0, None, inputs.context, frame_e0=e0, row_frames=frame_of, attend=attend)  # (1, n, D)
         inj = model.audio_injector.block_to_injector.get(i)
         if inj is not None:
             h = model.inject(inj, h, seq)  # (1, n, D)
