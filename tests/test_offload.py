@@ -65,7 +65,6 @@ def test_block_offload_state_machine_and_outputs():
             # This block's parameters are on the device when it runs; at most 2 blocks ever are.
             assert all(t.is_device(p) for p in block.parameters()), f"block {i} not loaded"
             assert all(t.is_device(p) for p in model.final.parameters())  # non-block params too
-            # (by index: a loop over the blocks during a stage would bring each in, as a forward's loop does)
             on_device = [j for j in range(DEPTH) if any(t.is_device(p) for p in model.blocks[j].parameters())]
             assert i in on_device and len(on_device) <= 2, on_device
             for j in on_device:  # and each points at its own weights, not a buffer refilled for another block
@@ -159,6 +158,46 @@ def test_mmap_staging_waits_for_the_copy_out_before_refilling(tmp_path: Path):
         model(*_inputs())
     # 5 blocks staged after the first two (blocks 2, 3 and block 0 again): each waited on its buffer's last copy
     assert len(waits) == DEPTH - 1 and waits == sorted(waits)
+
+
+@torch.no_grad()
+def test_block_offload_brings_in_the_blocks_the_streaming_forward_calls():
+    """The wan-s2v streaming forward (causal.py) calls each of its blocks, with per-row arguments by keyword: the
+    offloader's forward pre-hooks bring every block in before it runs, in order, and the latents equal the resident
+    model's. No class is changed: `blocks` is a plain ModuleList throughout, and after remove()."""
+    from avatar_cli.families.wan_s2v import causal
+    from avatar_cli.families.wan_s2v.dit import WanDiTParams, WanS2VDiT
+
+    torch.manual_seed(0)
+    plain = WanS2VDiT(WanDiTParams.tiny()).eval()
+    model = copy.deepcopy(plain)
+    t = HostTransfer()
+    off = BlockOffloader(model, t)
+    assert type(model.blocks) is torch.nn.ModuleList
+    ran: list[tuple[int, bool]] = []  # (block, all its parameters on the device when it ran)
+    for i, b in enumerate(model.blocks):  # registered after the offloader's: they run after its swap
+        b.register_forward_pre_hook(lambda blk, _args, i=i: ran.append((i, all(t.is_device(p)
+                                                                              for p in blk.parameters()))))
+    p, H, W = plain.params, 8, 16
+    g = torch.Generator().manual_seed(1)
+    ref, motion = torch.randn(16, 1, H, W, generator=g), torch.randn(16, 19, H, W, generator=g)
+    ctx, noise = torch.randn(5, p.text_dim, generator=g), torch.randn(16, 3, H, W, generator=g)
+    audio = torch.randn(1, 25, p.audio_dim, 12, generator=g)
+
+    def stream(m: WanS2VDiT) -> torch.Tensor:
+        caches = causal.CausalCaches.empty(p, H, W, steps=2)
+        causal.prefill_sink(m, caches, ref, motion, ctx)
+        return causal.stream_block(m, caches, noise, 0, ctx, audio, 4)  # (16, 3, h, w)
+
+    with off.stage():
+        got = stream(model)
+        assert type(model.blocks) is torch.nn.ModuleList
+    assert torch.equal(got, stream(plain))
+    layers = list(range(p.num_layers))
+    assert ran == [(i, True) for i in layers * 3]  # the prefill, then 2 steps: every block called, on the device
+    assert [label for label in t.loads if label != "root"] == [f"block {i}" for i in layers * 3] + ["block 0"]
+    off.remove()
+    assert type(model.blocks) is torch.nn.ModuleList and t.live_bytes == 0
 
 
 @torch.no_grad()
@@ -381,8 +420,8 @@ def test_wan_render_streaming_blocks_from_the_mapped_checkpoint_equals_the_resid
     """A tiny wan-s2v render (the official layout; its DiT read lazily from safetensors) with runtime.offload: block
     and runtime.offload_host: mmap, the CPU standing in for the GPU: the DiT's blocks come from the memory-mapped
     checkpoint, one after another, and the frames are the resident render's. In both modes: the streaming forward
-    runs each block through its parts, never calling the block, and the offloader enters it as the loop reaches it
-    (a block not brought in would compute on its NaN placeholders)."""
+    calls each block too, so the offloader's hooks bring it in (a block not brought in would compute on its NaN
+    placeholders)."""
     from avatar_cli import render as rendering
     from avatar_cli.job import resolve
     from avatar_cli.families.registry import init_family_dir

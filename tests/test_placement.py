@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 
 from avatar_cli import render as rendering
-
 from avatar_cli.job import resolve
-
+from avatar_cli.pipeline.run import Pipeline
 from avatar_cli.report import QuietReporter
 from avatar_cli.runtime.offload import HostTransfer
+from avatar_cli.runtime.rings import RingStore
 from avatar_cli.spec import load_job
 from tests.conftest import write_job, write_wav
 
@@ -81,3 +81,25 @@ def test_auto_chooses_from_free_memory_and_logs(job_dir: Path, caplog):
         _, tight = render(job_dir, "tight", "auto", HostTransfer(), free_bytes=1)
     assert [next(iter(c.loaded.values()))[1].offload for c in (roomy, tight)] == ["none", "block"]
     assert "auto chose none" in caplog.text and "auto chose block" in caplog.text
+
+
+def test_the_model_cache_places_each_ring_store_as_asked(job_dir: Path):
+    """Where the rings live is part of the placement and of the model cache's key: a job asking for its rings
+    elsewhere gets a placement of its own (its models loaded and placed for it), and the Pipeline hands that
+    placement's rings to the denoising stage. The same ask reuses the placement."""
+    job = load_job(job_dir / "job.yaml", ["model=mini", "runtime.dtype=float32", "runtime.text_cache=off"],
+                   output=str(job_dir / "rings.mp4"))
+    p = resolve(job)
+    runtime, dist = rendering.setup_runtime(job.spec)
+    cache = rendering.ModelCache()
+
+    def get(rings: RingStore | None = None):
+        more = {} if rings is None else {"rings": rings}
+        return cache.get(p.model, runtime, dist, job.spec.runtime, QuietReporter(0), **more)
+
+    modules, device = get()
+    assert device.rings == RingStore() and get(RingStore())[1] is device
+    host_modules, host = get(RingStore("host"))
+    assert host is not device and host.rings == RingStore("host") and host_modules["dit"] is not modules["dit"]
+    assert [key[-1] for key in cache.loaded] == [RingStore("host")]  # one model set resident at a time
+    assert Pipeline(host_modules, p.model.family, runtime, host).a2v.rings == RingStore("host")

@@ -11,8 +11,8 @@ from avatar_cli.job import ResolvedJob, Split, resolve
 from avatar_cli.pipeline import checkpoint as ckpt
 from avatar_cli.render import setup as render_setup
 from avatar_cli.report import QuietReporter
-from avatar_cli.runtime.device import Runtime
 from avatar_cli.runtime.distributed import Dist
+from avatar_cli.runtime.rings import RingStore
 from avatar_cli.spec import load_job
 from tests.conftest import write_job, write_reference
 
@@ -79,17 +79,17 @@ def test_the_model_cache_keys_on_the_split_and_the_rings(job_dir, counted_loads)
     cache = render_setup.ModelCache()
     runtime, rt = p.runtime, p.job.spec.runtime
 
-    def get(split: Split, rings: str):
+    def get(split: Split, rings: RingStore):
         return cache.get(p.model, runtime, Dist(), rt, QuietReporter(0), split=split, rings=rings)
 
-    first = get(Split.sequence, "device")
-    assert get(Split.sequence, "device")[1] is first[1] and len(counted_loads) == 1
-    steps = get(Split.steps, "device")
+    first = get(Split.sequence, RingStore())
+    assert get(Split.sequence, RingStore())[1] is first[1] and len(counted_loads) == 1
+    steps = get(Split.steps, RingStore())
     assert len(counted_loads) == 2 and steps[1] is not first[1]
-    disk = get(Split.steps, "disk")
-    assert len(counted_loads) == 3 and disk[1] is not steps[1]
+    disk = get(Split.steps, RingStore("disk", job_dir))
+    assert len(counted_loads) == 3 and disk[1] is not steps[1] and disk[1].rings == RingStore("disk", job_dir)
     keys = list(cache.loaded)
-    assert len(keys) == 1 and keys[0][-2:] == ("steps", "disk")  # one model set resident at a time
+    assert len(keys) == 1 and keys[0][-2:] == ("steps", RingStore("disk", job_dir))  # one model set at a time
 
 
 def test_the_render_and_the_plan_import_no_command():

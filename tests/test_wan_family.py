@@ -249,15 +249,33 @@ def test_streaming_mode_from_the_job_spec(one_rank, tmp_path: Path):
     assert events(result.stdout)[-1]["frames"] == 101 and chunks[-1]["end"] == 101
     bad = cli("validate", job, "mode=streaming", "sampling.guidance=4.5")
     assert bad.returncode == 2 and "without guidance" in bad.stderr
-    # The rings in host memory (runtime.rings: host; here the host is the device): the same frames, said once.
-    host = cli("render", job, "mode=streaming", "runtime.rings=host", "-o", str(tmp_path / "host.mp4"), "--json")
-    assert host.returncode == 0, host.stderr
-    assert events(host.stdout)[-1]["frames_digest"] == events(result.stdout)[-1]["frames_digest"]
-    assert host.stderr.count("rings: host (asked for)") == 1
-    disk = cli("render", job, "mode=streaming", "runtime.rings=disk", "-o", str(tmp_path / "disk.mp4"), "--json")
-    assert disk.returncode == 0, disk.stderr
-    assert events(disk.stdout)[-1]["frames_digest"] == events(result.stdout)[-1]["frames_digest"]
-    assert "rings: disk (asked for)" in disk.stderr
+    # One batch of two jobs that differ only in runtime.rings (host: here the host is the device; disk: a scratch
+    # file): each is placed as its own spec says (the placement holds its rings; the model cache does not hand
+    # one job's placement to the other), each says so once, and both make the device render's frames.
+    from omegaconf import OmegaConf
+
+    from avatar_cli.render import setup as render_setup
+
+    for at in ("host", "disk"):
+        spec = OmegaConf.load(job)
+        spec.runtime = {**spec.get("runtime", {}), "rings": at}
+        spec.mode, spec.output = "streaming", str(tmp_path / f"{at}.mp4")
+        OmegaConf.save(spec, folder / f"rings-{at}.yaml")
+    placed, real = [], render_setup.ModelCache.get
+
+    def get(self, *args, **kw):
+        modules, placement = real(self, *args, **kw)
+        placed.append(placement.rings.at)
+        return modules, placement
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(render_setup.ModelCache, "get", get)
+        batch = cli("render", str(folder / "rings-*.yaml"), "--json")
+    assert batch.returncode == 0, batch.stderr
+    assert placed == ["disk", "host"]  # the jobs in sorted order
+    assert [e["frames_digest"] for e in events(batch.stdout) if e["event"] == "done"] == \
+        [events(result.stdout)[-1]["frames_digest"]] * 2
+    assert batch.stderr.count("rings: host (asked for)") == 1 and batch.stderr.count("rings: disk (asked for)") == 1
     assert not list(tmp_path.glob(".avatar-rings-*"))  # the scratch file's name is gone
     from avatar_cli.errors import InputError
     from avatar_cli.job import resolve

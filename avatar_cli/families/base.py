@@ -9,8 +9,9 @@ A family knows its own models. It declares
 The Pipeline runs these steps in its fixed order (`Step`: one name each, the same in `Family.needs`, the Stages'
 `step` and the render summary's `compute_s`), timing each and bringing each step's components onto the device
 (`Family.needs`); the Stages wrap them one step each. Neither knows any family: they see only this
-interface, and a family imports nothing of pipeline/, runtime/ or the CLI, and of media/ only the AudioSource
-protocol it reads audio through (media/source.py, which imports nothing of the project).
+interface, and a family imports nothing of pipeline/ or the CLI, of runtime/ only leaf helpers (the RingStore
+that allocates its rings, the counters of its budget), and of media/ only the AudioSource protocol it reads audio
+through (media/source.py, which imports nothing of the project).
 
 The rolling state between chunks is a plain container of tensors (`RollingState`): what a family keeps in it
 is its own business, and all of it is saved in resume checkpoints, so a resumed render continues exactly.
@@ -19,7 +20,6 @@ is its own business, and all of it is saved in resume checkpoints, so a resumed 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from enum import Enum
 from typing import Any, ClassVar, Protocol
 
@@ -29,6 +29,7 @@ from torch import nn
 
 from avatar_cli.media.image import fit_image
 from avatar_cli.media.source import AudioSource  # noqa: F401  (the families read audio through it)
+from avatar_cli.runtime.rings import RingStore
 
 
 class Step(str, Enum):
@@ -167,9 +168,6 @@ class Family(ABC):
     copying the next step's in) around it. A step a family does not have (no super-resolution) needs ().
     """
 
-    rings_at = "device"  # where a family's key/value rings wait (runtime.rings): device | host | disk
-    rings_folder: Path | None = None  # runtime.rings: disk: where their scratch file goes
-
     name: ClassVar[str]
     needs: ClassVar[Mapping[Step, tuple[str, ...]]]  # step -> the components it runs (every Step a key)
     # Later chunks are conditioned on decoded frames (re-encoded motion pixels): then every rank decodes, not
@@ -277,9 +275,11 @@ class Family(ABC):
         return self.audio_lookahead_s(models)
 
     @abstractmethod
-    def denoise(self, models: Models, inputs: Any, ref: Any, sampling: Sampling, state: RollingState) -> torch.Tensor:
+    def denoise(self, models: Models, inputs: Any, ref: Any, sampling: Sampling, state: RollingState,
+                rings: RingStore = RingStore()) -> torch.Tensor:
         """Sample the chunk's latents (one per window position). `state`: the rolling state, for a family whose
-        denoising reads and writes caches of its own there (LiveAvatar's key/value rings); others ignore it."""
+        denoising reads and writes caches of its own there (LiveAvatar's key/value rings); others ignore it.
+        rings: where such caches live (runtime.rings, the Placement's decision); others ignore it too."""
 
     @abstractmethod
     def keep(self, chunk: Chunk, z: torch.Tensor, state: RollingState, chunking: Any) -> None:
@@ -309,9 +309,9 @@ class StepPipeline(Protocol):
         """The chunk's starting noise."""
 
     def denoise_step(self, models: Models, inputs: Any, ref: Any, x: torch.Tensor, step: int, sampling: Sampling,
-                     state: RollingState, own_ring: bool = False) -> torch.Tensor:
+                     state: RollingState, own_ring: bool = False, rings: RingStore = RingStore()) -> torch.Tensor:
         """Denoising step `step` of the chunk: x -> x, reading and writing the step's caches in `state`. own_ring:
-        the state holds this step's caches alone (a step rank), not every step's."""
+        the state holds this step's caches alone (a step rank), not every step's. rings: where the caches live."""
 
     def block_latents(self, inputs: Any, ref: Any, x: torch.Tensor) -> torch.Tensor:
         """The denoised x -> the chunk's latents, as `Family.denoise` returns them."""

@@ -45,7 +45,7 @@ class Pipeline:
         self.reference = ReferenceEncode(family, modules, runtime)
         self.prompt = PromptEncode(family, modules, runtime, prompts)
         self.context = ContextGen(family, modules, runtime)
-        self.a2v = AudioToVideo(family, modules, runtime)
+        self.a2v = AudioToVideo(family, modules, runtime, self.placement.rings)
         self.sr = SuperResolve(family, modules, runtime)
         self.publish = DecodePublish(family, modules, runtime)
 

@@ -182,7 +182,8 @@ def _step_rank(stages: StepStages, placement: Placement, dist_: Dist, spec, imag
                     family.put_sink_frame(state, wire.recv(last, "sink_frame"))  # rolled by the last step's rank
                     took_frame = True
                 x = family.block_noise(inputs, ref, dtype) if step == 0 else wire.recv(dist_.rank - 1, "x")
-                x = family.denoise_step(models, inputs, ref, x, step, sampling, state, own_ring=True)  # (16, 3, h, w)
+                x = family.denoise_step(models, inputs, ref, x, step, sampling, state, own_ring=True,
+                                        rings=stages.a2v.rings)  # (16, 3, h, w)
             if dist_.rank == last:
                 z = family.block_latents(inputs, ref, x)  # (F, 16, h, w)
                 wire.send(DECODE_RANK, "z", z)

@@ -34,6 +34,7 @@ from avatar_cli.runtime.distributed import Dist, current_dist, launched_by_torch
 from avatar_cli.runtime.numa import bind_to_gpu_node
 from avatar_cli.runtime.offload import Transfer, host_available
 from avatar_cli.runtime.placement import Placement, place, plan_for
+from avatar_cli.runtime.rings import RingStore
 
 log = logging.getLogger(__name__)
 
@@ -53,15 +54,16 @@ class ModelCache:
     free_bytes: int | None = None
 
     @staticmethod
-    def key(source: ModelSource, runtime: Runtime, rt_spec, split: Split, rings: str) -> tuple:
+    def key(source: ModelSource, runtime: Runtime, rt_spec, split: Split, rings: RingStore) -> tuple:
         return (source.fingerprint, str(runtime.device), str(runtime.dtype), rt_spec.offload.value,
                 rt_spec.reshard.value, rt_spec.shard.value, rt_spec.weights.value, rt_spec.vae_dtype.value,
                 rt_spec.offload_host.value, split.value, rings)
 
     def get(self, source: ModelSource, runtime: Runtime, dist: Dist, rt_spec, reporter: Reporter, *,
-            split: Split = Split.sequence, rings: str = "device", skip: Collection[str] = (),
+            split: Split = Split.sequence, rings: RingStore = RingStore(), skip: Collection[str] = (),
             working_bytes: int | None = None) -> tuple[dict[str, Module], Placement]:
-        """split: how the job's ranks split its work; rings: where its key/value rings live. skip: components this
+        """split: how the job's ranks split its work; rings: where its key/value rings live (place_rings), held
+        by the placement. skip: components this
         job does not need loaded (its prompt is in the text cache); a set that lacks what a later job needs gets just
         those loaded and placed beside it. working_bytes: device memory the layout keeps free for state and
         activations (None: placement's default reserve)."""
@@ -71,7 +73,7 @@ class ModelCache:
                 reporter.info(f"note: model '{source.name}' has no trained weights yet: a seeded random init stands "
                               "in, so the video shows noise, not a face")
             self.loaded.clear()  # keep one model set resident, not one per model ever used
-            self.loaded[key] = ({}, Placement())
+            self.loaded[key] = ({}, Placement(rings=rings))
         modules, placement = self.loaded[key]
         wanted = [n for n in source.family.components if n not in skip and n not in modules]
         if wanted:
@@ -81,7 +83,7 @@ class ModelCache:
                           free_bytes=self.free_bytes,
                           plan=plan_for(source.family.parallel.with_dtype("vae", rt_spec.vae_dtype.value), more),
                           shard=rt_spec.shard.value, weights=rt_spec.weights.value,
-                          offload_host=rt_spec.offload_host.value,
+                          offload_host=rt_spec.offload_host.value, rings=rings,
                           **({} if working_bytes is None else {"working_bytes": working_bytes}))
             if modules:  # beside a placed set: the stages look each component up by name in either
                 placement.offloaders.update(added.offloaders)
@@ -186,37 +188,34 @@ class Built:
     image: torch.Tensor  # (3, H, W) in [-1, 1]: the reference at the family's native size
 
 
-def rings_folder(p: ResolvedJob) -> Path:
-    """runtime.rings: disk: a scratch file beside the output (a stream's: in the working folder), on its disk, not
-    a RAM-backed /tmp."""
-    out = p.job.output
-    return out.parent if isinstance(out, Path) and not p.job.live else Path.cwd()
-
-
-def place_rings(p: ResolvedJob, runtime: Runtime, skip: Collection[str] = ()) -> tuple[str, str | None]:
-    """`runtime.rings` for this job, decided before placement as `avatar plan` decides it: where they live
-    (device | host | disk) and why (None: the family keeps no rings). Rings in host memory the host cannot hold
-    are exit 2 now, not an allocation failure blocks later."""
+def place_rings(p: ResolvedJob, runtime: Runtime, skip: Collection[str] = ()) -> tuple[RingStore, str | None]:
+    """`runtime.rings` for this job, decided before placement as `avatar plan` decides it: where the rings live
+    and why (None: the family keeps no rings). Rings in host memory the host cannot hold are exit 2 now, not an
+    allocation failure blocks later."""
     free = torch.cuda.mem_get_info(runtime.device)[0] if runtime.is_cuda else None
     avail = host_available()
     got = render_rings(p, runtime, free, avail, skip)
     at, why = got if got is not None else ("device", None)
+    folder = None
+    if at == "disk":  # a scratch file beside the output (a stream's: in the working folder), not a RAM-backed /tmp
+        out = p.job.output
+        folder = out.parent if isinstance(out, Path) and not p.job.live else Path.cwd()
     if at == "host":
         need = p.model.family.resume_bytes(p.gen_size, p.job.spec.sampling.steps)
         if avail is not None and need > avail:
             raise InputError(f"runtime.rings: host: the key/value rings need {need / 1e9:.1f} GB of host memory, "
                              f"{avail / 1e9:.1f} GB is available (runtime.rings: disk keeps them in a file)")
-    return at, why
+    return RingStore(at, folder), why
 
 
-def working_bytes(p: ResolvedJob, runtime: Runtime, dist: Dist, models: ModelCache, rings: str) -> int | None:
+def working_bytes(p: ResolvedJob, runtime: Runtime, dist: Dist, models: ModelCache, rings: RingStore) -> int | None:
     """Where placement chooses from free device memory (a GPU, or the CPU standing in for one), the state and
     activations it keeps free: counted on the meta device for this job, as `avatar plan` counts them, so a render
     and its plan choose the same layout. None: the family has no budget (placement's default reserve)."""
     rt = p.job.spec.runtime
     if not (runtime.is_cuda or models.transfer is not None) or "auto" not in (rt.offload.value, rt.shard.value):
         return None
-    working = render_working_bytes(p, runtime, dist.rank, rings != "device")
+    working = render_working_bytes(p, runtime, dist.rank, not rings.on_device)
     if working is not None:
         log.info("placement: %.1f GB kept free for state and activations (counted on the meta device)",
                  working / 1e9)
@@ -238,8 +237,7 @@ def build(p: ResolvedJob, job: Opened, reporter: Reporter, models: ModelCache | 
     skip = {*prompt_cache.skipped(prompts, spec.prompt), *absent}
     rings, rings_why = place_rings(p, runtime, skip)
     if job.main and rings_why is not None:
-        reporter.info(f"rings: {rings} ({rings_why})")
-    family.rings_at, family.rings_folder = rings, rings_folder(p)
+        reporter.info(f"rings: {rings.at} ({rings_why})")
     models = models if models is not None else ModelCache()
     modules, placement = models.get(p.model, runtime, Dist() if steps else dist, spec.runtime, reporter,
                                     split=p.parallel, rings=rings, skip=skip,

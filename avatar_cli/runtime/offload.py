@@ -19,8 +19,8 @@ from the page cache into one of two pinned buffers the size of the largest block
 the file's differs, then copied like a slab; a staging buffer is refilled only once the copy out of it has landed
 (`Transfer.host_wait`). The host then holds the non-block parameters and the two staging buffers, not the blocks.
 
-A block comes in at its forward pre-hook, or, for a forward that runs a block through its parts without calling it
-(the wan-s2v streaming forward), when a loop over `model.blocks` reaches it during a stage (`_EnteringBlocks`).
+A block comes in at its forward pre-hook: every model offloaded this way calls its blocks (the wan-s2v streaming
+forward too, with its per-row arguments), so the hook fires for each.
 
 The device sits behind `Transfer`, so tests run the same state machine with the CPU standing in for
 the GPU (`HostTransfer`: copies are plain copies, events are no-ops, allocations are counted).
@@ -367,20 +367,6 @@ class PartMerge(Protocol):
     def part(self, prefix: str, exclude: tuple[str, ...] = ()) -> Callable[[nn.Module], None]: ...
 
 
-class _EnteringBlocks(nn.ModuleList):
-    """The offloaded model's `blocks`, unchanged but for iteration: during a stage, block i is brought onto the
-    device as the loop reaches it (idempotent with the block's own forward pre-hook)."""
-
-    _avatar_offloader: "BlockOffloader"
-
-    def __iter__(self):
-        for i, block in enumerate(super().__iter__()):
-            off = self._avatar_offloader
-            if off.active:
-                off._enter(i)
-            yield block
-
-
 class BlockOffloader(_Stage):
     """Double-buffered block streaming for `model.blocks` (see the module docstring).
 
@@ -441,12 +427,7 @@ class BlockOffloader(_Stage):
         self._root_done: Any = None  # the root's copy, issued by prefetch() or begin()
         self._hooks = [model.register_forward_pre_hook(lambda *_: None if self.active else self.begin())]
         self._hooks += [b.register_forward_pre_hook(self._enter_hook(i)) for i, b in enumerate(blocks)]
-        # A forward that runs a block through its submodules and parameters, never calling the block itself (the
-        # wan-s2v streaming forward), fires no block hook: iterating the blocks during a stage enters each.
         self._blocks = blocks
-        if type(blocks) is nn.ModuleList:
-            blocks.__class__ = _EnteringBlocks
-            blocks._avatar_offloader = self
 
     def params(self) -> list[nn.Parameter]:
         return [p for g in [self.root, *self.blocks] for p in g.params]
@@ -505,9 +486,6 @@ class BlockOffloader(_Stage):
         self.end()
         for h in self._hooks:
             h.remove()
-        if type(self._blocks) is _EnteringBlocks:
-            self._blocks.__class__ = nn.ModuleList
-            del self._blocks._avatar_offloader
 
     def _enter_hook(self, i: int):
         def hook(_module: nn.Module, _args: Any) -> None:

@@ -48,6 +48,7 @@ from avatar_cli.runtime.offload import (BlockOffloader, CudaTransfer, MappedChec
                                         host_available, host_tier_choice, model_bytes, offload_choice)
 from avatar_cli.runtime.parallelize import gpu_param_dtype, parallelize_model, prefetch_stage, reshard_stage
 from avatar_cli.runtime.quantize import check_weights, load_quantized, quantize_linears, stored_bytes
+from avatar_cli.runtime.rings import RingStore
 from avatar_cli.runtime.sharding import choose_sharding
 from avatar_cli.families.base import ParallelPlan, check_degree
 
@@ -60,6 +61,7 @@ class Placement:
     sharded: dict[str, torch.nn.Module] = field(default_factory=dict)
     reshard_per_stage: bool = False
     offload: str = "none"
+    rings: RingStore = RingStore()  # where a streaming family's key/value rings live (runtime.rings)
 
     @contextlib.contextmanager
     def stage(self, names: str | Iterable[str], then: str | Iterable[str] = ()) -> Iterator[None]:
@@ -182,7 +184,8 @@ def plan_for(plan: ParallelPlan, names: Collection[str]) -> ParallelPlan:
 def place(modules: Mapping[str, Module], runtime: Runtime, dist: Dist, offload: str = "auto",
           reshard: str = "per_block", working_bytes: int = 2 << 30, transfer: Transfer | None = None,
           free_bytes: int | None = None, plan: ParallelPlan | None = None, shard: str = "auto",
-          weights: str = "bf16", offload_host: str = "auto", host_free: int | None = None) -> Placement:
+          weights: str = "bf16", offload_host: str = "auto", host_free: int | None = None,
+          rings: RingStore = RingStore()) -> Placement:
     """Put each model where it runs, shard and offload as configured; returns what the stages enter.
 
     shard: auto | shard | replicate, for the plan's shardable models on several ranks (runtime/sharding.py):
@@ -196,6 +199,8 @@ def place(modules: Mapping[str, Module], runtime: Runtime, dist: Dist, offload: 
     `mem_get_info`). Without a transfer on a CPU run nothing is offloaded.
     offload_host: where block-offloaded blocks wait (runtime.offload_host: auto | pinned | mmap), chosen by
     offload.host_tier_choice from host_free (default: the host's MemAvailable).
+    rings: where the family's key/value rings live (runtime/rings.py), decided before placement; the Placement
+    holds it for the stage that denoises.
     """
     if transfer is None and runtime.is_cuda:
         transfer = CudaTransfer(runtime.device)
@@ -208,18 +213,18 @@ def place(modules: Mapping[str, Module], runtime: Runtime, dist: Dist, offload: 
     quantized = _quantize(modules, runtime, plan, weights)
     quantized += tuple(n for n, m in modules.items() if m.stored_quantized and n not in quantized)
     if dist.enabled:
-        return _place_sharded(modules, runtime, dist, offload, reshard, working_bytes, transfer, free_bytes, plan,
-                              shard, quantized, offload_host, host_free)
+        return replace(_place_sharded(modules, runtime, dist, offload, reshard, working_bytes, transfer, free_bytes,
+                                      plan, shard, quantized, offload_host, host_free), rings=rings)
     if transfer is None:
         for name, module in modules.items():
             module.to(runtime.device, _dtype(name, runtime, plan))
             _after_load(module)
-        return Placement()
+        return Placement(rings=rings)
 
     layout = choose_layout({name: model_sizes(m.model) for name, m in modules.items()}, plan, 1, free_bytes,
                            working_bytes, offload)
     log.info("offload: %s", layout.offload_why)
-    placement = Placement(offload=layout.offload)
+    placement = Placement(offload=layout.offload, rings=rings)
     tier = _host_tier(modules, layout.offload, offload_host, host_free, _local_ranks())
     _offload_replicated(modules, runtime, layout.offload, transfer, placement, plan, tier)
     return placement

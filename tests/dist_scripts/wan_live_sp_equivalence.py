@@ -80,7 +80,7 @@ def main() -> int:
 
     # Phase 2: 2 ranks.
     sp = SequenceParallelStream(model, d.group)
-    rows: list[int] = []  # the rows layer 0's FFN sees on this rank (causal.py calls the blocks' parts)
+    rows: list[int] = []  # the rows layer 0's FFN sees on this rank
     hook = model.blocks[0].ffn.register_forward_pre_hook(lambda _m, a: rows.append(a[0].shape[1]))
     got, caches = stream(g, sp.empty_caches, sp.prefill_sink, sp.stream_block)
     hook.remove()

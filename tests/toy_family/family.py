@@ -10,6 +10,7 @@ from torch import nn
 
 from avatar_cli.families.base import (AudioSource, Chunk, Family, Final, Geometry, Models, ParallelPlan,
                                       RollingState, Sampling, Step)
+from avatar_cli.runtime.rings import RingStore
 from tests.toy_family.model import ToyNet, ToyParams, ToyText
 
 SAMPLE_RATE = 16_000
@@ -85,8 +86,8 @@ class ToyFamily(Family):
     def release_audio(self, models: Models, audio: AudioSource, frame: int, fps: float) -> None:
         audio.release(max(0, int(frame * SAMPLE_RATE / fps)))
 
-    def denoise(self, models: Models, inputs: dict, ref: torch.Tensor, sampling: Sampling,
-                state: RollingState) -> torch.Tensor:
+    def denoise(self, models: Models, inputs: dict, ref: torch.Tensor, sampling: Sampling, state: RollingState,
+                rings: RingStore = RingStore()) -> torch.Tensor:
         z = 0.5 * inputs["noise"] + ref  # (L, C, h, w)
         for _ in range(sampling.steps):
             z = models["net"](z, inputs["text"], inputs["loud"])

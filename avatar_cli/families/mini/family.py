@@ -17,6 +17,7 @@ from avatar_cli.families.mini.parallel import SequenceParallelDiT
 from avatar_cli.families.mini.sampling import sample, timesteps
 from avatar_cli.families.mini.schedule import plan
 from avatar_cli.families.mini.text import tokenize
+from avatar_cli.runtime.rings import RingStore
 
 
 def chunk_seed(seed: int, chunk: Chunk) -> int:
@@ -132,8 +133,8 @@ class MiniFamily(Family):
         return {"audio": self.audio_features(models, audio, chunk.start, chunk.length, fps, device, dtype),
                 "text": text, "noise": noise, "cond": cond, "mask": mask}
 
-    def denoise(self, models: Models, inputs: dict, ref: dict, sampling: Sampling,
-                state: RollingState) -> torch.Tensor:
+    def denoise(self, models: Models, inputs: dict, ref: dict, sampling: Sampling, state: RollingState,
+                rings: RingStore = RingStore()) -> torch.Tensor:
         """The chunk's latents (L, C, h, w), given frames included."""
         dit, c = models["dit"], inputs
         guidance = sampling.guidance

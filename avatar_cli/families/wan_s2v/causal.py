@@ -41,12 +41,9 @@ rows of the forward's tokens and attends with its share of the heads, which are 
 (None) one rank does everything, as above.
 """
 
-import math
-import os
-import tempfile
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -68,6 +65,10 @@ RING_FRAMES = 12  # latent frames a step's ring holds: one LiveAvatar clip (infe
 STEPS = 4
 SINK_OFFSET_RANGE = (4, 30)  # their random.randint(4, 30), inclusive
 
+# zeros(shape, dtype) -> a zero tensor wherever the caller keeps its rings (runtime/rings.py RingStore.zeros: on the
+# device, in host memory, in a scratch file): the memory comes from the runtime, not from this file.
+Zeros = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
+
 
 @dataclass
 class CausalCaches:
@@ -87,9 +88,10 @@ class CausalCaches:
     @classmethod
     def empty(cls, p: WanDiTParams, lat_h: int, lat_w: int, steps: int = STEPS, ring_frames: int = RING_FRAMES,
               dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-              heads: int | None = None, pin: bool = False, folder: Path | None = None) -> "CausalCaches":
+              heads: int | None = None, zeros: Zeros | None = None) -> "CausalCaches":
         """Zero rings of ring_frames latent frames at latent size lat_h x lat_w, and an empty sink; `heads` of the
-        model's heads (all of them by default; a sequence-parallel rank holds num_heads / W)."""
+        model's heads (all of them by default; a sequence-parallel rank holds num_heads / W). zeros: allocates the
+        rings (default: torch.zeros on `device`); the empty sink goes beside them."""
         ring = ring_frames * frame_tokens(p, lat_h, lat_w)
         if ring_frames % FRAMES_PER_BLOCK:
             raise ValueError(f"CausalCaches: ring_frames={ring_frames} is not a whole number of "
@@ -97,11 +99,12 @@ class CausalCaches:
         heads = p.num_heads if heads is None else heads
         shape = (steps, p.num_layers, ring, heads, p.head_dim)
         sink = (p.num_layers, 0, heads, p.head_dim)
-        z = dict(dtype=dtype, device=device, pin_memory=pin)  # pin: host rings copied to a GPU layer by layer
-        if folder is not None:  # the rings in a scratch file (runtime.rings: disk)
-            k, v = mapped_zeros(shape, dtype, folder), mapped_zeros(shape, dtype, folder)
-            return cls(k, v, torch.zeros(sink, **z), torch.zeros(sink, **z))
-        return cls(torch.zeros(shape, **z), torch.zeros(shape, **z), torch.zeros(sink, **z), torch.zeros(sink, **z))
+        if zeros is None:
+            k, v = torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+        else:
+            k, v = zeros(shape, dtype), zeros(shape, dtype)
+        z = dict(dtype=dtype, device=k.device)  # no elements: prefill_sink replaces it beside the rings (_beside)
+        return cls(k, v, torch.zeros(sink, **z), torch.zeros(sink, **z))
 
     @property
     def steps(self) -> int:
@@ -240,16 +243,6 @@ def _qkv(block: WanS2VBlock, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return q, k, v
 
 
-def _block(block: WanS2VBlock, x: torch.Tensor, mod: torch.Tensor, attend, context: torch.Tensor) -> torch.Tensor:
-    """One DiT block with per-token modulation. x (1, L, D); mod (6, L, D) fp32 = block.modulation + e0 per token;
-    attend(h) -> the self-attention output (1, L, D) for the modulated input h; context (1, M, D) -> (1, L, D)."""
-    shift_msa, scale_msa, gate_msa, shift_ffn, scale_ffn, gate_ffn = mod[:, None]  # (1, L, D) each
-    x = x + attend(block.norm1(x).float() * (1 + scale_msa) + shift_msa) * gate_msa  # (1, L, D) fp32
-    x = x + block.cross_attn(block.norm3(x), context)  # (1, L, D)
-    h = block.norm2(x).float() * (1 + scale_ffn) + shift_ffn  # (1, L, D)
-    return x + block.ffn(as_weight_dtype(h, block.ffn[0])) * gate_ffn  # (1, L, D)
-
-
 def _embed_text(model: WanS2VDiT, context: torch.Tensor) -> torch.Tensor:
     """context (L, text_dim) -> (1, text_len, D): zero-padded to text_len, no mask, as the official model."""
     p = model.params
@@ -286,44 +279,20 @@ def prefill_sink(model: WanS2VDiT, caches: CausalCaches, ref: torch.Tensor, moti
     e0 = _time(model, torch.zeros(1, device=x.device))[1]  # (1, 6, D) t = 0
     ctx = _embed_text(model, context)  # (1, text_len, D)
     ks, vs = [], []
+
+    def keep(q, k, v):  # (1, h, N, Dh) the rank's heads
+        ks.append(k[0].transpose(0, 1))  # (N, h, Dh) un-roped, as their cond_k
+        vs.append(v[0].transpose(0, 1))  # (N, h, Dh)
+        return F.scaled_dot_product_attention(apply_rope(q, freqs), apply_rope(k, freqs), v)  # (1, h, N, Dh)
+
+    last = len(model.blocks) - 1
     for i, block in enumerate(model.blocks):
-        mod = (block.modulation.float() + e0)[0, :, None].expand(-1, x.shape[1], -1)  # (6, N, D)
-
-        def attend(u):
-            def keep(q, k, v):  # (1, h, N, Dh) the rank's heads
-                ks.append(k[0].transpose(0, 1))  # (N, h, Dh) un-roped, as their cond_k
-                vs.append(v[0].transpose(0, 1))  # (N, h, Dh)
-                return F.scaled_dot_product_attention(apply_rope(q, freqs), apply_rope(k, freqs), v)  # (1, h, N, Dh)
-
-            return _self_attention(block, u, N, exchange, keep)  # (1, n, D)
-
-        if i == len(model.blocks) - 1:
-            attend(block.norm1(x).float() * (1 + mod[1:2]) + mod[0:1])  # only the last layer's keys are needed
-        else:
-            x = _block(block, x, mod, attend, ctx)  # (1, N, D)
+        # Called, so that what wraps the blocks from outside (offload, FSDP2) sees each one run; the last layer
+        # runs only its self-attention: its keys and values are all the sink needs.
+        attend = functools.partial(_self_attention, block, tokens=N, exchange=exchange, attend=keep)
+        x = block(x, None, 0, None, ctx, frame_e0=e0, attend=attend, attention_only=i == last)  # (1, n, D)
     caches.sink_k = _beside(torch.stack(ks).to(caches.k.dtype), caches.k)  # (layers, N, h, Dh)
     caches.sink_v = _beside(torch.stack(vs).to(caches.v.dtype), caches.v)  # (layers, N, h, Dh)
-
-
-def mapped_zeros(shape: tuple[int, ...], dtype: torch.dtype, folder: Path) -> torch.Tensor:
-    """A zero CPU tensor backed by a scratch file in `folder`, mapped shared: the page cache holds what it can and
-    the kernel writes the rest back to the file, so a host with less memory than the rings holds them. The file's
-    name is removed at once (nothing is left behind); its blocks are freed when the tensor is."""
-    fd, name = tempfile.mkstemp(prefix=".avatar-rings-", dir=folder)
-    try:
-        n = math.prod(shape)
-        os.ftruncate(fd, n * torch.empty(0, dtype=dtype).element_size())  # sparse: zeros, no disk written yet
-        return torch.from_file(name, shared=True, size=n, dtype=dtype).view(shape)
-    finally:
-        os.close(fd)
-        os.unlink(name)
-
-
-def mapped_copy(x: torch.Tensor, folder: Path) -> torch.Tensor:
-    """x in a scratch file in `folder` (mapped_zeros), e.g. resumed rings."""
-    out = mapped_zeros(tuple(x.shape), x.dtype, folder)
-    out.copy_(x)
-    return out
 
 
 def _beside(x: torch.Tensor, ring: torch.Tensor) -> torch.Tensor:
@@ -391,7 +360,6 @@ def causal_forward(model: WanS2VDiT, caches: CausalCaches, step: int, x: torch.T
     # only the row count, seg, start and the audio tokens of this sequence description.
     seq = S2VSequence(h, L, rows.start, freqs, e0, e, inputs.context, inputs.audio_local, inputs.audio_global, grid)
     for i, block in enumerate(model.blocks):
-        mod = (block.modulation.float()[0] + e0)[frame_of].transpose(0, 1)  # (6, n, D) per-frame, per row
         ring_k, ring_v = caches.k[step, i], caches.v[step, i]  # (ring, h, Dh) the rank's heads
 
         def ring_attention(q, k, v):  # (1, h, L, Dh) every token, the rank's heads
@@ -406,8 +374,8 @@ def causal_forward(model: WanS2VDiT, caches: CausalCaches, step: int, x: torch.T
             vals = torch.cat([vs, caches.sink_v[i].to(dev)]).transpose(0, 1)[None]  # (1, h, active + N_sink, Dh)
             return F.scaled_dot_product_attention(q, keys.to(q.dtype), vals.to(q.dtype))  # (1, h, L, Dh)
 
-        h = _block(block, h, mod, lambda u: _self_attention(block, u, L, exchange, ring_attention),
-                   inputs.context)  # (1, n, D)
+        attend = functools.partial(_self_attention, block, tokens=L, exchange=exchange, attend=ring_attention)
+        h = block(h, None, 0, None, inputs.context, frame_e0=e0, row_frames=frame_of, attend=attend)  # (1, n, D)
         inj = model.audio_injector.block_to_injector.get(i)
         if inj is not None:
             h = model.inject(inj, h, seq)  # (1, n, D)

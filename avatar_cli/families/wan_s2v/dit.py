@@ -26,6 +26,7 @@ one rank's contiguous rows [start, start + length) of the sequence, padded with 
 
 import dataclasses
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -284,10 +285,20 @@ class WanS2VBlock(nn.Module):
         self.ffn = nn.Sequential(nn.Linear(d, p.ffn_dim), nn.GELU(approximate="tanh"), nn.Linear(p.ffn_dim, d))
         self.modulation = nn.Parameter(_randn_over((1, 6, d), d**0.5))
 
-    def forward(self, x: torch.Tensor, e0: torch.Tensor, seg: int, freqs: torch.Tensor,
-                context: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, e0: torch.Tensor | None, seg: int, freqs: torch.Tensor | None,
+                context: torch.Tensor, *, frame_e0: torch.Tensor | None = None, row_frames: torch.Tensor | None = None,
+                attend: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                attention_only: bool = False) -> torch.Tensor:
         """x (B, N, D); e0 (B, 6, 2, D) fp32 (slot 0: current t, slot 1: t = 0); seg: first token of slot 1
-        (clamped to [0, N]); freqs (N, Dh/2) complex128; context (B, L, D). -> (B, N, D)."""
+        (clamped to [0, N]); freqs (N, Dh/2) complex128; context (B, L, D). -> (B, N, D).
+
+        The streaming forward (causal.py) passes instead, by keyword (B = 1): frame_e0 (F, 6, D) fp32, the time
+        modulation of each latent frame; row_frames (N,) int64, each row's frame (None: every row takes frame 0's);
+        attend(h) -> the self-attention output (1, N, D) of the modulated rows h, which reads and writes its
+        caches. e0, seg and freqs are then unused. attention_only: return after the self-attention's residual (the
+        sink prefill's last layer needs only its keys and values)."""
+        if attend is not None:
+            return self._stream(x, frame_e0, row_frames, context, attend, attention_only)
         seg = min(max(0, seg), x.shape[1])
         e = (self.modulation.float().unsqueeze(2) + e0).chunk(6, dim=1)  # 6 x (B, 1, 2, D)
         shift_msa, scale_msa, gate_msa, shift_ffn, scale_ffn, gate_ffn = (c.squeeze(1) for c in e)  # (B, 2, D)
@@ -297,6 +308,19 @@ class WanS2VBlock(nn.Module):
         h = _modulate_segments(self.norm2(x).float(), shift_ffn, scale_ffn, seg)  # (B, N, D)
         y = self.ffn(as_weight_dtype(h, self.ffn[0]))  # (B, N, D)
         return x + _gate_segments(y, gate_ffn, seg)  # (B, N, D)
+
+    def _stream(self, x: torch.Tensor, frame_e0: torch.Tensor, row_frames: torch.Tensor | None, context: torch.Tensor,
+                attend: Callable[[torch.Tensor], torch.Tensor], attention_only: bool) -> torch.Tensor:
+        """The block with per-row modulation (forward's streaming arguments). x (1, n, D) -> (1, n, D) fp32."""
+        mod = self.modulation.float()[0] + frame_e0  # (F, 6, D)
+        mod = mod[0, :, None] if row_frames is None else mod[row_frames].transpose(0, 1)  # (6, 1 or n, D)
+        shift_msa, scale_msa, gate_msa, shift_ffn, scale_ffn, gate_ffn = mod[:, None]  # (1, n, D) each
+        x = x + attend(self.norm1(x).float() * (1 + scale_msa) + shift_msa) * gate_msa  # (1, n, D) fp32
+        if attention_only:
+            return x
+        x = x + self.cross_attn(self.norm3(x), context)  # (1, n, D)
+        h = self.norm2(x).float() * (1 + scale_ffn) + shift_ffn  # (1, n, D)
+        return x + self.ffn(as_weight_dtype(h, self.ffn[0])) * gate_ffn  # (1, n, D)
 
 
 class AudioInjector(nn.Module):

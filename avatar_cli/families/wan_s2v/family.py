@@ -46,6 +46,7 @@ from avatar_cli.families.wan_s2v.sampler import sample_unipc
 from avatar_cli.families.wan_s2v.text import S2V_NEGATIVE_PROMPT, clean_prompt, load_tokenizer, tokenize
 from avatar_cli.families.wan_s2v.vae import WanVAE, WanVAECache
 from avatar_cli.media.image import fit_image_pil
+from avatar_cli.runtime.rings import RingStore
 
 NATIVE_FPS = 16
 CLIP_FRAMES = 80  # official infer_frames
@@ -265,8 +266,8 @@ class WanS2VFamily(Family):
                 "negative": text["negative"], "seed": seed + chunk.index, "latents": chunk.length // 4,
                 "first": chunk.index == 0}
 
-    def denoise(self, models: Models, inputs: dict, ref: dict, sampling: Sampling,
-                state: RollingState) -> torch.Tensor:
+    def denoise(self, models: Models, inputs: dict, ref: dict, sampling: Sampling, state: RollingState,
+                rings: RingStore = RingStore()) -> torch.Tensor:
         """UniPC steps with CFG on the negative prompt and zeroed audio -> the clip's latents (F, 16, h, w); on
         clip 0 preceded by the reference latent, where the decode timeline starts -> (1 + F, 16, h, w)."""
         dit, c, g = models["dit"], inputs, sampling.guidance

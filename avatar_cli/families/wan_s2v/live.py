@@ -72,11 +72,12 @@ from avatar_cli.families.base import (AudioSource, Chunk, Family, Final, Geometr
                                       Sampling)
 from avatar_cli.families.wan_s2v.audio import SAMPLE_RATE
 from avatar_cli.families.wan_s2v.causal import (FRAMES_PER_BLOCK, RING_FRAMES, SINK_OFFSET_RANGE, CausalCaches,
-                                                block_inputs, euler_step, mapped_copy, prefill_sink)
+                                                block_inputs, euler_step, prefill_sink)
 from avatar_cli.families.wan_s2v.family import (LEAD, NATIVE_FPS, QUANTIZED, WanS2VFamily, _cache_from, _cache_to,
                                                 size_less_than_area)
 from avatar_cli.families.wan_s2v.live_parallel import SequenceParallelStream
 from avatar_cli.families.wan_s2v.model_dir import WanS2VConfig
+from avatar_cli.runtime.rings import RingStore
 
 BLOCK_FRAMES = 4 * FRAMES_PER_BLOCK  # 12 video frames a block
 BLOCKS_PER_CLIP = RING_FRAMES // FRAMES_PER_BLOCK  # 4: their clip (infer_frames 48) = one ring
@@ -174,8 +175,8 @@ class LiveAvatarFamily(WanS2VFamily):
         return {"audio": self.clip_audio(models, audio, chunk.start, chunk.length, fps).to(device),
                 "text": text["text"], "seed": seed, "block": chunk.index}
 
-    def denoise(self, models: Models, inputs: dict, ref: dict, sampling: Sampling,
-                state: RollingState) -> torch.Tensor:
+    def denoise(self, models: Models, inputs: dict, ref: dict, sampling: Sampling, state: RollingState,
+                rings: RingStore = RingStore()) -> torch.Tensor:
         """One block: the sink prefilled (block 0) or refreshed with the rolled sink frame (block 4), then the Euler
         steps through the per-step rings -> the block's latents (3, 16, h, w); block 0's preceded by the 7 motion
         latents the decoder is primed with, where the decode timeline starts -> (10, 16, h, w). The same three
@@ -183,11 +184,11 @@ class LiveAvatarFamily(WanS2VFamily):
         dit = models["dit"]
         x = self.block_noise(inputs, ref, next(dit.parameters()).dtype)  # (16, 3, h, w)
         for step in range(sampling.steps):
-            x = self.denoise_step(models, inputs, ref, x, step, sampling, state)  # (16, 3, h, w)
+            x = self.denoise_step(models, inputs, ref, x, step, sampling, state, rings=rings)  # (16, 3, h, w)
         sp = getattr(dit, "stream", None)
         if sp is not None:  # rank 0's state holds the whole caches, for its resume point; the others keep their heads
-            whole = sp.gather_caches(self._caches(state, sp.model, sampling.steps, 0, 0, x.dtype, x.device, sp),
-                                     device=x.device)
+            whole = sp.gather_caches(self._caches(state, sp.model, sampling.steps, 0, 0, x.dtype, x.device, rings,
+                                                  sp), device=x.device)
             if whole is not None:
                 state.tensors.update({CACHE_PREFIX + n: t for n, t in whole.tensors().items()})
         return self.block_latents(inputs, ref, x)
@@ -202,17 +203,17 @@ class LiveAvatarFamily(WanS2VFamily):
         return noise[:, FRAMES_PER_BLOCK * b:FRAMES_PER_BLOCK * (b + 1)].to(r.device, dtype)  # (16, 3, h, w)
 
     def denoise_step(self, models: Models, inputs: dict, ref: dict, x: torch.Tensor, step: int, sampling: Sampling,
-                     state: RollingState, own_ring: bool = False) -> torch.Tensor:
+                     state: RollingState, own_ring: bool = False, rings: RingStore = RingStore()) -> torch.Tensor:
         """Denoising step `step` of the block: x (16, 3, h, w) -> (16, 3, h, w). The sink is prefilled first when the
         state's is empty (block 0) or when the rolled sink frame waits in the state (block 4). own_ring: the state
-        holds this step's ring alone (a timestep-pipeline rank), not one per step."""
+        holds this step's ring alone (a timestep-pipeline rank), not one per step. rings: where the caches live."""
         g = inputs["block"]
         sp = getattr(models["dit"], "stream", None)  # the ranks split each block (StreamingSequenceParallel)
         dit = sp.model if sp is not None else models["dit"]
         r = ref["ref"]  # (16, 1, h, w) float32
         dtype = next(dit.parameters()).dtype
         caches = self._caches(state, dit, 1 if own_ring else sampling.steps, r.shape[-2], r.shape[-1], dtype, r.device,
-                              sp)
+                              rings, sp)
         prefill = functools.partial(sp.prefill_sink, caches) if sp is not None else functools.partial(prefill_sink, dit,
                                                                                                       caches)
         if caches.sink_k.shape[1] == 0:
@@ -304,19 +305,14 @@ class LiveAvatarFamily(WanS2VFamily):
             state.tensors.pop(CACHE_PREFIX + n, None)
 
     def _caches(self, state: RollingState, dit, steps: int, lat_h: int, lat_w: int, dtype: torch.dtype,
-                device: torch.device, sp: SequenceParallelStream | None = None) -> CausalCaches:
+                device: torch.device, rings: RingStore, sp: SequenceParallelStream | None = None) -> CausalCaches:
         """The caches of the state (empty rings at block 0, or after a resume the saved ones). sp: this rank's heads
         of them; whole caches in the state (rank 0 after a block, every rank after a resume) are cut to them.
-        `rings_at` host: they live in host memory (pinned where there is a GPU to copy them to); disk: in a
-        memory-mapped scratch file in `rings_folder` (causal.py mapped_zeros)."""
+        rings: where they live (runtime/rings.py: on the device, in host memory, in a scratch file), which
+        allocates them and takes in a resumed state's."""
         own = {k[len(CACHE_PREFIX):]: v for k, v in state.tensors.items() if k.startswith(CACHE_PREFIX)}
-        off = self.rings_at != "device"
-        pin = self.rings_at == "host" and torch.cuda.is_available()
-        if own and off and own["k"].device.type != "cpu":  # a resumed state, loaded onto the device
-            if self.rings_at == "disk":
-                own = {n: mapped_copy(t, self.rings_folder) if n in ("k", "v") else t.cpu() for n, t in own.items()}
-            else:
-                own = {n: t.cpu().pin_memory() if pin else t.cpu() for n, t in own.items()}
+        if own and not rings.on_device:  # a resumed state's, read onto the device, go where the rings live
+            own = {n: rings.adopt(t, ring=n in ("k", "v")) for n, t in own.items()}
             state.tensors.update({CACHE_PREFIX + n: t for n, t in own.items()})
         if own:
             caches = CausalCaches.from_tensors(own)
@@ -326,11 +322,8 @@ class LiveAvatarFamily(WanS2VFamily):
             return caches
         if sp is not None:
             return sp.empty_caches(lat_h, lat_w, steps=steps, dtype=dtype, device=device)
-        if self.rings_at == "disk":
-            return CausalCaches.empty(dit.params, lat_h, lat_w, steps=steps, dtype=dtype, device="cpu",
-                                      folder=self.rings_folder)
         return CausalCaches.empty(dit.params, lat_h, lat_w, steps=steps, dtype=dtype,
-                                  device="cpu" if off else device, pin=pin)
+                                  zeros=functools.partial(rings.zeros, device=device))
 
     def keep(self, chunk: Chunk, z: torch.Tensor, state: RollingState, chunking: Any) -> None:
         """Hold the block's latents (all of them are decoded: the decode is causal); block 0 also gives the rolled

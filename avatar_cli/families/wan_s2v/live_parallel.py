@@ -1,6 +1,6 @@
 """Ulysses sequence parallelism for LiveAvatar's block-causal streaming forward (causal.py): W ranks split each
-block's work, every rank holding the whole DiT (no FSDP: causal.py calls the blocks' parts directly, so FSDP2's
-per-block hooks would never fire) and 1/W of every cache.
+block's work, every rank holding the whole DiT (replicated, not FSDP-sharded: every rank computes with every
+block's weights, on its own rows) and 1/W of every cache.
 
 Layout, per forward (causal.py's `exchange` argument; this module provides the exchange, `UlyssesExchange`):
 - Rows. The block's L = 3·P noisy tokens (P per latent frame) are padded with zero rows to W·n, n = ceil(L / W),
