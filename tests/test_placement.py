@@ -102,4 +102,4 @@ def test_the_model_cache_places_each_ring_store_as_asked(job_dir: Path):
     host_modules, host = get(RingStore("host"))
     assert host is not device and host.rings == RingStore("host") and host_modules["dit"] is not modules["dit"]
     assert [key[-1] for key in cache.loaded] == [RingStore("host")]  # one model set resident at a time
-    assert Pipeline(host_modules, p.model.family, runtime, host).a2v.rings == RingStore("host")
+    assert Pipeline(host_modules, p.model.family, runtime, host).steps.rings == RingStore("host")

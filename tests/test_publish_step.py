@@ -4,7 +4,7 @@ published where no rings were copied says it cannot be resumed from."""
 
 import torch
 
-from avatar_cli.families.base import Chunk, RollingState
+from avatar_cli.families.base import Chunk, RollingState, Step
 from avatar_cli.pipeline.events import Stretch
 from avatar_cli.pipeline.publish import PublishStep
 from avatar_cli.runtime.placement import Placement
@@ -17,12 +17,19 @@ class _Runtime:
 
 
 class _SR:
-    needs = ("sr",)
+    """The family's steps as PublishStep sees them (stages/base.py Steps): its refine step needs "sr"."""
 
     def __init__(self):
         self.refs = []
+        self.family = self
 
-    def run(self, z, ref):
+    def needs(self, step: Step) -> tuple[str, ...]:
+        return ("sr",) if step == Step.sr else ()
+
+    def models(self, step: Step) -> dict:
+        return {}
+
+    def refine(self, models, z, ref):
         self.refs.append(ref)
         return z * 2  # "refined"
 

@@ -14,18 +14,17 @@ from avatar_cli.media.sink import now
 from avatar_cli.families.base import Chunk, Final, RollingState, Step
 from avatar_cli.pipeline.events import ChunkDone, RenderStats, Stretch
 from avatar_cli.runtime.placement import Placement
-from avatar_cli.stages.base import StageTimer
+from avatar_cli.stages.base import StageTimer, Steps
 from avatar_cli.stages.publish import Publisher
-from avatar_cli.stages.sr import SuperResolve
 
 
 @dataclass
 class PublishStep:
-    """One job's publishing: `sr` refines with the reference conditioning `ref` (as ReferenceEncode made it),
-    `out` decodes and publishes; `after`: the components of the stage this rank runs next, whose copy in starts
+    """One job's publishing: the family's refine step (`steps`) refines with the reference conditioning `ref` (as
+    its reference step made it), `out` decodes and publishes; `after`: the components of the stage this rank runs next, whose copy in starts
     while the decode computes. t0: the render's start on the frame clock (media/sink.py `now()`)."""
 
-    sr: SuperResolve
+    steps: Steps
     out: Publisher
     ref: Any
     placement: Placement
@@ -41,8 +40,10 @@ class PublishStep:
         stage, timer, out = self.placement.stage, self.timer, self.out
         final = state.take_final(chunk.publish_to)
         if final is not None:
-            with timer(Step.sr), stage(self.sr.needs, then=out.needs or self.after):
-                final = Final(final.start, final.end, self.sr.run(final.z, self.ref))
+            steps = self.steps
+            with timer(Step.sr), stage(steps.needs(Step.sr), then=out.needs or self.after):
+                z = steps.family.refine(steps.models(Step.sr), final.z, self.ref)
+                final = Final(final.start, final.end, z)
             # A rank that writes nothing skips the decode (its frames would be thrown away), unless the family
             # conditions later chunks on decoded frames: then every rank decodes, and only rank 0 keeps them. A
             # decode worker decodes in its own process and hands back each stretch once written.

@@ -14,19 +14,15 @@ from avatar_cli.media.source import AudioSource
 from avatar_cli.modules.module import Module, not_loaded
 from avatar_cli.pipeline.events import ChunkDone, RenderStats, ResumeFrom, Stretch
 from avatar_cli.pipeline.publish import PublishStep
-from avatar_cli.pipeline.steps import StepStages, every_block, run_steps
+from avatar_cli.pipeline.steps import every_block, run_steps
 from avatar_cli.prompts.cache import PromptCache
 from avatar_cli.runtime.device import Runtime
 from avatar_cli.runtime.distributed import Dist
 from avatar_cli.runtime.placement import Placement
 from avatar_cli.spec import JobSpec
-from avatar_cli.stages.a2v import AudioToVideo
-from avatar_cli.stages.base import StageTimer
-from avatar_cli.stages.context import ContextGen
+from avatar_cli.stages.base import StageTimer, Steps
 from avatar_cli.stages.publish import DecodePublish, Publisher, PublishHere
 from avatar_cli.stages.prompt import PromptEncode
-from avatar_cli.stages.reference import ReferenceEncode
-from avatar_cli.stages.sr import SuperResolve
 
 
 class Pipeline:
@@ -42,11 +38,10 @@ class Pipeline:
         self.count_flops = count_flops  # `make bench`: FLOPs per stage, against the machine's peak
         self.runtime = runtime
         self.placement = placement or Placement()
-        self.reference = ReferenceEncode(family, modules, runtime)
+        # The family's steps on this job's models, with the rings where the placement keeps them; the two steps
+        # that add something of their own (the text cache, the decode into a Sink) are stages.
+        self.steps = Steps(family, modules, runtime, self.placement.rings)
         self.prompt = PromptEncode(family, modules, runtime, prompts)
-        self.context = ContextGen(family, modules, runtime)
-        self.a2v = AudioToVideo(family, modules, runtime, self.placement.rings)
-        self.sr = SuperResolve(family, modules, runtime)
         self.publish = DecodePublish(family, modules, runtime)
 
     def publish_to(self, sink: Sink | None, size: tuple[int, int]) -> PublishHere:
@@ -91,39 +86,40 @@ class Pipeline:
         if chunks is None:
             chunks = self.schedule(spec, total_frames)
         if self.steps_dist is not None:
-            stages = StepStages(self.reference, self.prompt, self.context, self.a2v, self.sr)
-            return run_steps(stages, self.placement, self.steps_dist, spec, image, audio, chunks, out, on_chunk,
-                             on_stretch, resume, timer, t0, copies or every_block)
+            return run_steps(self.steps, self.prompt, self.placement, self.steps_dist, spec, image, audio, chunks,
+                             out, on_chunk, on_stretch, resume, timer, t0, copies or every_block)
+        family, steps, (device, dtype) = self.family, self.steps, (self.runtime.device, self.runtime.dtype)
+        models, needs = steps.models, steps.needs
         first = resume.next_chunk if resume else 0
         state = resume.state if resume else RollingState()
         if resume and first < len(chunks):
-            self.context.release_before(audio, chunks[first].start - 1, fps)
+            family.release_audio(models(Step.context), audio, chunks[first].start - 1, fps)
 
         # Each stage brings its components onto the device and drops them after; `then` starts copying the next
         # stage's in while this one computes (with offload; otherwise these are no-ops).
         stage = self.placement.stage
         # 1. Reference and prompt conditioning: computed once, kept for the whole job.
         prompt_needs = self.prompt.needs_for(spec.prompt)  # none when the prompt's encoding is cached
-        with timer(Step.reference), stage(self.reference.needs, then=prompt_needs):
-            ref = self.reference.run(image)
-        with timer(Step.prompt), stage(prompt_needs, then=self.context.needs):
+        with timer(Step.reference), stage(needs(Step.reference), then=prompt_needs):
+            ref = family.reference(models(Step.reference), image, device, dtype)
+        with timer(Step.prompt), stage(prompt_needs, then=needs(Step.context)):
             text = self.prompt.run(spec.prompt)
 
-        publish = PublishStep(self.sr, out, ref, self.placement, timer, on_chunk, on_stretch, t0,
-                              after=self.context.needs)
+        publish = PublishStep(steps, out, ref, self.placement, timer, on_chunk, on_stretch, t0,
+                              after=needs(Step.context))
         for i, chunk in enumerate(chunks):
             if i < first:
                 continue  # resumed after it
             # 2. Context: audio features for the chunk's frames, noise, and the given frames.
-            with timer(Step.context), stage(self.context.needs, then=self.a2v.needs):
-                inputs = self.context.run(chunk, audio, fps, text, state, spec.seed)
+            with timer(Step.context), stage(needs(Step.context), then=needs(Step.a2v)):
+                inputs = family.context(models(Step.context), chunk, audio, fps, text, state, spec.seed, device, dtype)
                 # Later chunks start at most one frame before this one (an I chunk's first anchor).
-                self.context.release_before(audio, chunk.start - 1, fps)
-            # 3. Audio-to-video: sample the chunk's latents.
+                family.release_audio(models(Step.context), audio, chunk.start - 1, fps)
+            # 3. Audio-to-video: sample the chunk's latents (a family's denoising may keep caches in `state`).
             publishes = chunk.publish_to > state.published  # then super-resolution runs next
-            with timer(Step.a2v), stage(self.a2v.needs, then=self.sr.needs if publishes else self.context.needs):
-                z = self.a2v.run(inputs, ref, sampling, state)
-            self.family.keep(chunk, z, state, spec.chunking)
+            with timer(Step.a2v), stage(needs(Step.a2v), then=needs(Step.sr) if publishes else needs(Step.context)):
+                z = family.denoise(models(Step.a2v), inputs, ref, sampling, state, rings=steps.rings)
+            family.keep(chunk, z, state, spec.chunking)
             # 4. Publish what no later chunk can change: refine, decode, hand to the Sink (pipeline/publish.py).
             publish(chunk, i + 1, state)
         return publish.finish(state.published)

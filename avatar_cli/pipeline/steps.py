@@ -27,7 +27,6 @@ copies in flight take. Receives block. The decode rank publishes each block thro
 """
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 import torch
 
@@ -39,13 +38,9 @@ from avatar_cli.pipeline.publish import PublishStep
 from avatar_cli.runtime.distributed import Dist
 from avatar_cli.runtime.placement import Placement
 from avatar_cli.runtime.wire import Wire
-from avatar_cli.stages.a2v import AudioToVideo
-from avatar_cli.stages.base import StageTimer
-from avatar_cli.stages.context import ContextGen
+from avatar_cli.stages.base import StageTimer, Steps
 from avatar_cli.stages.prompt import PromptEncode
 from avatar_cli.stages.publish import Publisher
-from avatar_cli.stages.reference import ReferenceEncode
-from avatar_cli.stages.sr import SuperResolve
 
 PENDING = 2  # blocks a rank's sends may have in flight
 
@@ -109,28 +104,17 @@ def rank_skips(family: Family, rank: int) -> set[str]:
     return set(family.components) - keep
 
 
-@dataclass
-class StepStages:
-    """The stages the timestep pipeline runs: a step rank the first four, the decode rank the reference (which
-    super-resolution reads) and super-resolution (and the Publisher it is given)."""
-
-    reference: ReferenceEncode
-    prompt: PromptEncode
-    context: ContextGen
-    a2v: AudioToVideo
-    sr: SuperResolve
-
-
 def every_block(block: int) -> bool:  # noqa: ARG001
     return True
 
 
-def run_steps(stages: StepStages, placement: Placement, dist_: Dist, spec, image: torch.Tensor, audio: AudioSource,
-              chunks: Iterable[Chunk], out: Publisher, on_chunk: Callable[[ChunkDone], None],
+def run_steps(steps: Steps, prompt: PromptEncode, placement: Placement, dist_: Dist, spec, image: torch.Tensor,
+              audio: AudioSource, chunks: Iterable[Chunk], out: Publisher, on_chunk: Callable[[ChunkDone], None],
               on_stretch: Callable[[Stretch], None], resume: ResumeFrom | None, timer: StageTimer,
               t0: float, copies: Callable[[int], bool] = every_block) -> RenderStats:
-    """The timestep pipeline's part of Pipeline.run on this rank (module docstring): its stages, placed by
-    `placement`; rank 0 publishes through `out`.
+    """The timestep pipeline's part of Pipeline.run on this rank (module docstring): a step rank the reference,
+    prompt, context and its denoising step, the decode rank the reference (which super-resolution reads),
+    super-resolution and the decode; placed by `placement`; rank 0 publishes through `out`.
 
     chunks: the plan, a list or (a live session) the chunks as they are planned; every rank runs the same ones.
     copies(block): whether the step ranks send the decode rank their rings after that block, a schedule both
@@ -142,48 +126,54 @@ def run_steps(stages: StepStages, placement: Placement, dist_: Dist, spec, image
     if dist_.rank == DECODE_RANK:
         # Super-resolution keeps the reference in view, as in the loop: this rank encodes it too (rank_skips leaves
         # it the components) while the step ranks run the first block.
-        with timer(Step.reference), placement.stage(stages.reference.needs, then=stages.sr.needs):
-            ref = stages.reference.run(image)
-        publish = PublishStep(stages.sr, out, ref, placement, timer, on_chunk, on_stretch, t0, after=stages.sr.needs)
-        return _decode_rank(stages.sr.family, dist_, spec.chunking, chunks, first, state, publish, copies)
-    frames = _step_rank(stages, placement, dist_, spec, image, audio, chunks, first, state, sampling, timer, copies)
+        with timer(Step.reference), placement.stage(steps.needs(Step.reference), then=steps.needs(Step.sr)):
+            ref = _reference(steps, image)
+        publish = PublishStep(steps, out, ref, placement, timer, on_chunk, on_stretch, t0, after=steps.needs(Step.sr))
+        return _decode_rank(steps.family, dist_, spec.chunking, chunks, first, state, publish, copies)
+    frames = _step_rank(steps, prompt, placement, dist_, spec, image, audio, chunks, first, state, sampling, timer,
+                        copies)
     return RenderStats(frames=frames, wall_s=now() - t0, ttff_s=0.0, compute_s=dict(timer.seconds))
 
 
-def _step_rank(stages: StepStages, placement: Placement, dist_: Dist, spec, image: torch.Tensor,
+def _reference(steps: Steps, image: torch.Tensor):
+    rt = steps.runtime
+    return steps.family.reference(steps.models(Step.reference), image, rt.device, rt.dtype)
+
+
+def _step_rank(steps: Steps, prompt: PromptEncode, placement: Placement, dist_: Dist, spec, image: torch.Tensor,
                audio: AudioSource, chunks: Iterable[Chunk], first: int, state: RollingState, sampling: Sampling,
                timer: StageTimer, copies: Callable[[int], bool]) -> int:
     """Runs step `rank - 1` of every block; returns the frames the plan published."""
-    family, group, fps = stages.a2v.family, dist_.group, spec.video.fps
+    family, group, fps = steps.family, dist_.group, spec.video.fps
     step = step_of(dist_.rank)
     last = dist_.world_size - 1
-    device = stages.a2v.runtime.device
-    models = stages.a2v.models
+    device = steps.runtime.device
+    models, context = steps.models(Step.a2v), steps.models(Step.context)
     state = family.step_state(state, step)  # this step's ring only (a resumed state holds every step's)
     wire = Wire(group, device, pending=PENDING)
     stage = placement.stage
     dtype = next(models["dit"].parameters()).dtype
-    with timer(Step.reference), stage(stages.reference.needs):
-        ref = stages.reference.run(image)
-    with timer(Step.prompt), stage(stages.prompt.needs_for(spec.prompt)):
-        text = stages.prompt.run(spec.prompt)
+    with timer(Step.reference), stage(steps.needs(Step.reference)):
+        ref = _reference(steps, image)
+    with timer(Step.prompt), stage(prompt.needs_for(spec.prompt)):
+        text = prompt.run(spec.prompt)
     published, rolled, took_frame = 0, False, False  # the last rank sent the sink frame / this rank took it
     try:
         for i, chunk in enumerate(chunks):
             if i < first:
                 continue  # resumed after it
             if i == first:
-                stages.context.release_before(audio, chunk.start - 1, fps)
-            with timer(Step.context), stage(stages.context.needs):
-                inputs = stages.context.run(chunk, audio, fps, text, state, spec.seed)
-                stages.context.release_before(audio, chunk.start - 1, fps)
-            with timer(Step.a2v), stage(stages.a2v.needs):
+                family.release_audio(context, audio, chunk.start - 1, fps)
+            with timer(Step.context), stage(steps.needs(Step.context)):
+                inputs = family.context(context, chunk, audio, fps, text, state, spec.seed, device, steps.runtime.dtype)
+                family.release_audio(context, audio, chunk.start - 1, fps)
+            with timer(Step.a2v), stage(steps.needs(Step.a2v)):
                 if family.needs_sink_frame(chunk.index, state) and step != last - 1:
                     family.put_sink_frame(state, wire.recv(last, "sink_frame"))  # rolled by the last step's rank
                     took_frame = True
                 x = family.block_noise(inputs, ref, dtype) if step == 0 else wire.recv(dist_.rank - 1, "x")
                 x = family.denoise_step(models, inputs, ref, x, step, sampling, state, own_ring=True,
-                                        rings=stages.a2v.rings)  # (16, 3, h, w)
+                                        rings=steps.rings)  # (16, 3, h, w)
             if dist_.rank == last:
                 z = family.block_latents(inputs, ref, x)  # (F, 16, h, w)
                 wire.send(DECODE_RANK, "z", z)
@@ -211,7 +201,7 @@ def _decode_rank(family: Family, dist_: Dist, chunking, chunks: Iterable[Chunk],
                  publish: PublishStep, copies: Callable[[int], bool]) -> RenderStats:
     """Takes each block's final latents from the last step's rank (and, after the blocks `copies` names, every step
     rank's ring) and publishes them as the loop does."""
-    wire = Wire(dist_.group, publish.sr.runtime.device)
+    wire = Wire(dist_.group, publish.steps.runtime.device)
     last = dist_.world_size - 1
     for i, chunk in enumerate(chunks):
         if i < first:

@@ -1,5 +1,11 @@
-"""Stage: a typed execution unit. It wraps one step of a model family, declares the components that step
-needs (the family says which), and holds no weights itself."""
+"""What the pipeline runs a family's steps with: `Steps`, the family bound to one job's models, device and rings
+(each step sees only the components it declares); `Stage`, for the steps that add something of their own (the
+prompt's text cache, stages/prompt.py; the decode into a Sink, stages/publish.py); and `StageTimer`.
+
+The family's other steps (reference, context, denoise, refine) are called on the family directly, with
+`Steps.models(step)`: a stage class around each would repeat the family's signature and add nothing
+(docs/design.md).
+"""
 
 import time
 from collections import defaultdict
@@ -13,6 +19,7 @@ from avatar_cli.families.base import Family, Step
 from avatar_cli.modules.module import Module
 from avatar_cli.runtime.device import Runtime
 from avatar_cli.runtime.flops import flop_counter
+from avatar_cli.runtime.rings import RingStore
 
 
 class StageTimer:
@@ -75,3 +82,29 @@ class Stage:
         self.family = family
         self.models = ModelView({n: modules[n] for n in self.needs})
         self.runtime = runtime
+
+
+class Steps:
+    """A family's reference, context, denoising and refine steps for one job on this rank (the prompt and the
+    decode are stages: they add the text cache and the Sink): `models(step)` the components the step declares
+    (family.needs), `needs(step)` their names, with the runtime they run on and where the denoising's rings live
+    (the placement's decision). ValueError naming a step whose components are missing."""
+
+    RUN = (Step.reference, Step.context, Step.a2v, Step.sr)
+
+    def __init__(self, family: Family, modules: Mapping[str, Module], runtime: Runtime,
+                 rings: RingStore = RingStore()):
+        self.family, self.runtime, self.rings = family, runtime, rings
+        self._views: dict[Step, ModelView] = {}
+        for step in self.RUN:
+            needs = tuple(family.needs.get(step, ()))
+            missing = [n for n in needs if n not in modules]
+            if missing:
+                raise ValueError(f"the {step.value} step needs modules {missing}")
+            self._views[step] = ModelView({n: modules[n] for n in needs})
+
+    def models(self, step: Step) -> ModelView:
+        return self._views[step]
+
+    def needs(self, step: Step) -> tuple[str, ...]:
+        return tuple(self._views[step])

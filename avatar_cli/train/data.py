@@ -44,12 +44,12 @@ def to_unit(frames: torch.Tensor) -> torch.Tensor:
 
 
 def downsample(x: torch.Tensor, size: int) -> torch.Tensor:
-    """(T, 3, S, S) -> (T, 3, size, size): the same resize `ReferenceEncode` applies to the reference."""
+    """(T, 3, S, S) -> (T, 3, size, size): the same resize the mini family's reference step applies to the reference."""
     return F.interpolate(x, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
 
 
 def mel_features(audio: np.ndarray, num_frames: int, fps: float, p: AudioParams) -> torch.Tensor:
-    """Per-frame log-mel windows, exactly as `ContextGen.audio_features` computes them at render time:
+    """Per-frame log-mel windows, exactly as the mini family's context step computes them at render time:
     windows centred on (i + 0.5) / fps, zero-padded past both ends of the audio.  -> (T, n_mels, mel_frames)
     """
     starts = frame_window_starts(0, num_frames, fps, p)  # (T,)
@@ -83,7 +83,7 @@ class VAEFrames:
 
 @torch.no_grad()
 def encode_reference(vae: VAE, reference: np.ndarray, low_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """uint8 (S, S, 3) -> (ref_lo (1, C, h, w), ref_hi (1, C, 2h, 2w)), as `ReferenceEncode` does."""
+    """uint8 (S, S, 3) -> (ref_lo (1, C, h, w), ref_hi (1, C, 2h, 2w)), as the mini family's reference step does."""
     x = to_unit(torch.from_numpy(np.ascontiguousarray(reference))[None])  # (1, 3, S, S)
     return _encode(vae, downsample(x, low_size)), _encode(vae, x)
 
