@@ -1,5 +1,5 @@
 """Where a streaming family's key/value rings live (`runtime.rings`): a placement decision, made once per job
-(runner.place_rings) and held by the Placement, which the Pipeline hands to the denoising stage.
+(render/setup.py place_rings) and held by the Placement, which the Pipeline hands to the denoising step.
 
 - device: the rings are allocated on the compute device beside the model;
 - host: in host memory, pinned where there is a GPU to copy them to layer by layer;
