@@ -194,10 +194,10 @@ class LiveSpec:
     """A live session: audio that keeps arriving (`audio: -`, a FIFO, a URL) and/or a live output (`output: -`,
     rtmp://, udp://, tcp://, a .m3u8 path). avatar_cli/render/live.py."""
 
-    stall_s: float = 1.0  # a chunk whose audio is this much later than real-time audio would be renders on silence
+    stall_s: float = 1.0  # a chunk whose audio is this far past due on the session's clock renders on silence
     first_audio_s: float = 30.0  # a live input that sends nothing for this long fails the session (exit 1)
-    # Frames leave at the stream's pace (as `ffmpeg -re`): auto = for a live output; a file output stays as fast as
-    # the machine allows.
+    # A file's frames leave at the stream's pace (as `ffmpeg -re`): auto = for a live output; a file output stays as
+    # fast as the machine allows. A live input's frames always do, into a live output (the frame clock).
     realtime: Union[bool, str] = "auto"
     max_latency_s: float = 5.0  # warn when a chunk's frames leave later than this after its last audio arrived
     hls_keep_segments: bool = False  # HLS: keep every segment (and list it); else a rolling window of the newest

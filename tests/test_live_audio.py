@@ -149,6 +149,25 @@ def test_a_stall_inserts_silence_and_later_audio_follows_it():
     np.testing.assert_array_equal(got[first.size + RATE // 4:], second)
 
 
+def test_a_source_that_resumes_goes_where_the_clock_is():
+    """resume_at: the next audio to arrive goes at the position the clock gives as it arrives, silence filling up
+    to it (reported), and the audio after it follows on; once only."""
+    r, w = os.pipe()
+    audio = StreamAudio.open("-", rate=RATE, raw=RawPCM("f32le", RATE, 1), stdin=os.fdopen(r, "rb", buffering=0))
+    first, second = tone(8192 / RATE), tone(0.5, freq=880)
+    os.write(w, first.tobytes())
+    assert audio.wait_for(first.size, timeout=30)
+    fills = []
+    audio.resume_at(lambda: first.size + RATE // 2, lambda at, n: fills.append((at, n)))
+    os.write(w, second.tobytes())
+    os.close(w)
+    got = read_all(audio)
+    assert fills == [(first.size, RATE // 2)]
+    assert got.size == first.size + RATE // 2 + second.size
+    assert not got[first.size:first.size + RATE // 2].any()
+    np.testing.assert_array_equal(got[first.size + RATE // 2:], second)  # every later piece follows on
+
+
 def test_memory_is_bounded_by_release():
     x = tone(4.0)
     audio = StreamAudio.open("-", rate=RATE, raw=RawPCM("f32le", RATE, 1), stdin=piped(x.tobytes(), pieces=32),

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from avatar_cli.errors import InputError
-from avatar_cli.media import live
 from avatar_cli.media.live import HLS_LIST_SIZE, LiveWriter, live_target
 
 FPS, RATE, SIZE = 25, 16000, 64
@@ -130,13 +129,45 @@ def test_hls_old_segments_deleted_or_kept(tmp_path: Path, keep: bool):
         assert listed[-1] == segments[-1].name
 
 
-def test_realtime_paces_frames_on_the_stream_clock(monkeypatch):
+class FakeClock:
+    """now() and sleep() on a clock the test owns: sleeping advances it, and so does `busy` (work taking time)."""
+
+    def __init__(self, t: float = 100.0):
+        self.t = t
+
+    def now(self) -> float:
+        return self.t
+
+    def sleep(self, s: float) -> None:
+        self.t += max(0.0, s)
+
+
+def test_realtime_paces_frames_on_the_stream_clock():
     """With realtime, frame i is muxed no earlier than i / fps after frame 0 (a fake clock: no timing here)."""
-    clock = [100.0]
-    monkeypatch.setattr(live.time, "monotonic", lambda: clock[0])
-    monkeypatch.setattr(live.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
-    write(live_target("-"), FPS, stdout=io.BytesIO(), realtime=True)
-    assert clock[0] == pytest.approx(100.0 + (FPS - 1) / FPS)
+    from avatar_cli.media.pacing import FramePacer
+
+    clock = FakeClock()
+    pacer = FramePacer(FPS, now=clock.now, sleep=clock.sleep)
+    write(live_target("-"), FPS, stdout=io.BytesIO(), realtime=True, pacer=pacer)
+    assert pacer.first == 100.0 and clock.t == pytest.approx(100.0 + (FPS - 1) / FPS)
+
+
+def test_a_late_frame_does_not_move_the_clock():
+    """Frame k leaves at the first frame's time + k / fps whatever came before it: a frame ready late leaves at
+    once, and the frames after it keep their times (the stream catches up instead of drifting later)."""
+    from avatar_cli.media.pacing import FramePacer
+
+    clock = FakeClock(0.0)
+    pacer = FramePacer(25.0, now=clock.now, sleep=clock.sleep)
+    left = [pacer.wait(0)]
+    left += [pacer.wait(k) for k in range(1, 10)]
+    assert left == pytest.approx([k / 25 for k in range(10)])
+    clock.t += 2.0  # the next frame is ready 2 s late (its audio stalled, say)
+    left = [pacer.wait(k) for k in range(10, 80)]
+    late = 0.36 + 2.0  # frame 10's time was 0.4: it leaves when it is ready, and so do those already due
+    assert left[0] == pytest.approx(late)
+    assert all(t == pytest.approx(max(late, k / 25)) for t, k in zip(left, range(10, 80)))
+    assert pacer.due(100) == pytest.approx(4.0)
 
 
 LISTENER = textwrap.dedent("""

@@ -14,13 +14,17 @@ RATE, FPS = 16000, 25.0  # a float, as the job spec gives it
 
 
 class FakeAudio:
-    """A live source driven by the test: `arrive(n)` adds samples; `end()` closes it; pad_to inserts silence."""
+    """A live source driven by the test: `arrive(n)` adds samples; `end()` closes it; pad_to inserts silence. Its
+    clock `t` moves only when a wait for audio times out (nothing else feeds it then), so a stall takes no time."""
 
     rate = RATE
 
     def __init__(self):
-        self.arrived, self.ended, self.pads = 0, False, []
+        self.arrived, self.ended, self.pads, self.t, self.resume = 0, False, [], 0.0, None
         self.cond = threading.Condition()
+
+    def now(self) -> float:
+        return self.t
 
     def arrive(self, n: int) -> None:
         with self.cond:
@@ -34,7 +38,10 @@ class FakeAudio:
 
     def wait_for(self, n: int, timeout: float | None) -> bool:
         with self.cond:
-            return self.cond.wait_for(lambda: self.arrived >= n or self.ended, timeout)
+            ok = self.cond.wait_for(lambda: self.arrived >= n or self.ended, min(timeout, 1.0))
+            if not ok:
+                self.t += timeout
+            return ok
 
     def pad_to(self, n: int) -> int:
         with self.cond:
@@ -42,6 +49,9 @@ class FakeAudio:
             self.arrived += add
             self.pads.append((n - add, add))
             return add
+
+    def resume_at(self, position, on_fill) -> None:
+        self.resume = position
 
 
 def plan_of(transitions: bool):
@@ -82,15 +92,15 @@ def test_the_grown_plan_is_the_files_plan(transitions: bool, seconds: float):
 def test_a_stall_renders_on_silence_and_the_audio_continues_after_it():
     audio = FakeAudio()
     stalls: list[Stall] = []
-    gen = growing_plan(plan_of(False), audio, FPS, stall_s=0.2, on_stall=stalls.append)
+    gen = growing_plan(plan_of(False), audio, FPS, stall_s=0.2, on_stall=stalls.append, now=audio.now, start=0.0)
     audio.arrive(RATE * 2)  # 2 s: the first chunk (28 frames = 1.12 s) can go
     first = next(gen)
     assert first.end == 28 and not stalls
-    t0 = time.monotonic()
-    second = next(gen)  # needs audio to frame 56 (2.24 s): nothing more comes, so silence after 0.2 s
-    assert time.monotonic() - t0 >= 0.2
+    second = next(gen)  # needs audio to frame 56 (2.24 s): nothing more comes, so silence once 0.2 s past due
+    assert audio.t == pytest.approx(28 / FPS + 0.2)  # due 28 frames after the first chunk set out, on the clock
     assert second.end == 56 and len(stalls) == 1
     assert stalls[0].at == 2 * RATE and stalls[0].samples == 56 * RATE // FPS - 2 * RATE
+    assert audio.resume is not None and audio.resume() == int(56 * RATE // FPS + 0.2 * RATE)  # where the clock is
     audio.arrive(RATE)  # late audio continues after the inserted silence
     audio.end()
     rest = list(gen)

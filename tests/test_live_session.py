@@ -104,22 +104,58 @@ def test_raw_pcm_on_stdin(rendered):
     assert decode(out)[0] == done["frames"]
 
 
+def paced(stdin, data: bytes, seconds_per_byte: float, piece: int = 640) -> None:
+    """Write `data` at the speaker's pace: each piece once its last sample has been spoken."""
+    t0 = time.monotonic()
+    for i in range(0, len(data), piece):
+        time.sleep(max(0.0, t0 + (i + piece) * seconds_per_byte - time.monotonic()))
+        stdin.write(data[i:i + piece])
+        stdin.flush()
+
+
+def timed_reads(stream, reads: list) -> None:
+    """Read a pipe as a player does (what has arrived, at once), noting (bytes so far, time) after each read."""
+    total = 0
+    while data := os.read(stream.fileno(), 1 << 16):
+        total += len(data)
+        reads.append((total, time.monotonic(), data))
+
+
+def video_arrivals(reads: list) -> list[float]:
+    """When each video packet of an MPEG-TS stream read as `reads` had reached the reader."""
+    import bisect
+    import io
+
+    ends = [n for n, _, _ in reads]
+    with av.open(io.BytesIO(b"".join(d for _, _, d in reads)), format="mpegts") as c:
+        positions = [p.pos for p in c.demux(video=0) if p.size and p.pos is not None and p.pos >= 0]
+    return [reads[bisect.bisect_right(ends, pos)][1] for pos in positions]
+
+
 def test_a_stall_inserts_silence_and_the_stream_goes_on(rendered, tmp_path: Path):
+    """Speech at the speaker's pace, a 3-s pause, then the rest: the reader of the stream never waits more than
+    stall_s + 0.5 s for a frame, the pause is silence in the track, and the recording holds the same session."""
+    import threading
+
     folder, _ = rendered
     wav = (folder / "speech.wav").read_bytes()
     header, pcm = wav[:44], wav[44:]
-    second = 16000 * 2
-    proc = start_avatar("render", str(folder / "job.yaml"), "audio=-", "-o", "-", "--json", "live.stall_s=0.4",
+    second, stall_s = 16000 * 2, 0.4
+    proc = start_avatar("render", str(folder / "job.yaml"), "audio=-", "-o", "-", "--json", f"live.stall_s={stall_s}",
                         f"live.record={tmp_path / 'rec.mp4'}", stdin=subprocess.PIPE, text=False)
     unknown = bytearray(header)
     unknown[4:8] = unknown[40:44] = b"\xff\xff\xff\xff"  # as a TTS engine writes a WAV of unknown length
     head = wait_ready(proc)  # models loaded, the input being read
-    proc.stdin.write(bytes(unknown) + pcm[:second])  # 1 s
-    proc.stdin.flush()
+    reads: list = []
+    reader = threading.Thread(target=timed_reads, args=(proc.stdout, reads), daemon=True)
+    reader.start()
+    proc.stdin.write(bytes(unknown))
+    paced(proc.stdin, pcm[:second], 1 / second)  # 1 s
     time.sleep(3.0)  # the source stalls
-    proc.stdin.write(pcm[second:])
+    paced(proc.stdin, pcm[second:], 1 / second)
     proc.stdin.close()
-    out = proc.stdout.read()
+    reader.join(timeout=120)
+    out = b"".join(d for _, _, d in reads)
     err = head + proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 0, err
     ev = events(err)
@@ -127,8 +163,12 @@ def test_a_stall_inserts_silence_and_the_stream_goes_on(rendered, tmp_path: Path
     done = ev[-1]
     assert stalls and done["stalls"] == len(stalls) and done["silence_s"] > 0
     assert all(e["at_s"] >= 1.0 - 1e-3 for e in stalls)  # nothing is inserted before the audio that arrived
+    assert 3.0 - stall_s - 0.1 <= done["silence_s"] <= 3.0 + 0.1  # the pause, less at most stall_s
     total_s = len(pcm) / second + done["silence_s"]  # the input with the silences inserted
     assert done["frames"] == round(total_s * FPS)
+    arrivals = video_arrivals(reads)
+    assert len(arrivals) == done["frames"]
+    assert max(b - a for a, b in zip(arrivals, arrivals[1:])) <= stall_s + 0.5  # the picture never froze longer
     video, audio, rate = decode(out)
     assert video == done["frames"]
     assert abs(len(audio) / rate - video / FPS) <= 1024 / rate + 1e-6  # the audio track stays in step

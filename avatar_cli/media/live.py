@@ -11,16 +11,15 @@ Everything goes through the FFmpeg inside PyAV's wheel (its muxers and protocols
 The encoder is the file writer's (`Mp4Writer`: same colour settings, same AAC priming rule, same back-pressure),
 with the settings a live stream needs: a keyframe every second (where HLS cuts segments and where a viewer who joins
 can start), no B-frames, x264's zerolatency tune (no lookahead: a frame's packet leaves as the frame goes in) and a
-constant frame rate. With `realtime`, frames are muxed no earlier than their time on the stream's clock (as
-`ffmpeg -re`), so a server gets a stream rather than a burst; a renderer that runs ahead blocks on the writer's queue
-instead of piling frames up.
+constant frame rate. With `realtime`, frames are muxed on the stream's frame clock (media/pacing.py: frame k at the
+first frame's time + k / fps, as `ffmpeg -re`), so a server gets a stream rather than a burst; a renderer that runs
+ahead blocks on the writer's queue instead of piling frames up.
 """
 
 from __future__ import annotations
 
 import errno
 import os
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -30,6 +29,7 @@ import av
 
 from avatar_cli.errors import InputError
 from avatar_cli.media._files import reason
+from avatar_cli.media.pacing import FramePacer
 from avatar_cli.media.writer import Mp4Writer
 
 __all__ = ["LiveTarget", "live_target", "LiveWriter", "HLS_SEGMENT_S", "HLS_LIST_SIZE"]
@@ -93,17 +93,19 @@ class LiveWriter(Mp4Writer):
 
     `audio_path` is usually an AudioFeed the session fills as audio arrives (silence where it stalled); a file path
     works too. `stdout` is the binary stream `-` writes to (sys.stdout.buffer unless given). `total_frames` bounds
-    nothing for a live session of unknown length: leave it at its default.
+    nothing for a live session of unknown length: leave it at its default. `pacer` is the frame clock `realtime`
+    paces on (a FramePacer at the stream's fps unless given).
     """
 
     x264_tune = "zerolatency"
 
     def __init__(self, target: LiveTarget, *, realtime: bool = False, stdout: BinaryIO | None = None,
-                 total_frames: int = 2**62, preset: str = "veryfast", **kw) -> None:
+                 total_frames: int = 2**62, preset: str = "veryfast", pacer: FramePacer | None = None,
+                 **kw) -> None:
         self.target = target
         self.realtime = realtime
         self._stdout = stdout
-        self._clock0: float | None = None  # wall time of frame 0 on the stream's clock
+        self.pacer = pacer if pacer is not None else FramePacer(kw["fps"])
         super().__init__(target.url, total_frames=total_frames, preset=preset, **kw)
 
     def _open_container(self) -> av.container.OutputContainer:
@@ -147,10 +149,5 @@ class LiveWriter(Mp4Writer):
         if self.target.format == "hls" and self._frames_written % max(1, round(float(self.rate))) == 0:
             self._check_space()
         if self.realtime:
-            now = time.monotonic()
-            if self._clock0 is None:
-                self._clock0 = now
-            due = self._clock0 + float(self._frames_written / self.rate)
-            if due > now:
-                time.sleep(due - now)
+            self.pacer.wait(self._frames_written)
         super()._encode_frame(rgb)

@@ -11,7 +11,9 @@ samples or the input has ended, and `release(before)` frees what will not be rea
 
 A stalled source does not stall the session: `pad_to(n)` appends silence up to sample n, and audio that arrives
 later continues after it, so the timeline is the input with those silences inserted, and everything downstream (the
-audio features, the output's audio track) reads the same timeline and stays in sync.
+audio features, the output's audio track) reads the same timeline and stays in sync. `resume_at(position)` places
+the next audio to arrive no earlier than `position()` (silence filling up to it), so a source that resumes after a
+stall goes where the session's clock is, not behind it.
 
 Memory is bounded: the thread stops reading (the pipe's writer then blocks, as with any pipe) while more than
 `max_buffer_s` of unreleased audio is held.
@@ -24,6 +26,7 @@ import struct
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -69,6 +72,7 @@ class StreamAudio:
         self._ended = False
         self._error: BaseException | None = None
         self._started = False  # the first byte was decoded
+        self._resume: tuple[Callable[[], int], Callable[[int, int], None]] | None = None  # see resume_at
         self._stop = threading.Event()
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="stream-audio", daemon=True)
@@ -146,6 +150,14 @@ class StreamAudio:
             if add:
                 self._append(np.zeros(add, np.float32))
             return add
+
+    def resume_at(self, position: Callable[[], int] | None,
+                  on_fill: Callable[[int, int], None] = lambda at, n: None) -> None:
+        """The next audio to arrive goes no earlier than timeline sample `position()`, read as it arrives: silence
+        fills the timeline up to there first, and on_fill(at, samples) says so (called on the reader's thread).
+        Once: audio after that piece follows it. None disarms."""
+        with self._cond:
+            self._resume = (position, on_fill) if position is not None else None
 
     def read(self, start: int, end: int) -> np.ndarray:
         """float32 (end - start,) timeline samples [start, end): zeros where nothing has arrived (or past the end)."""
@@ -247,9 +259,19 @@ class StreamAudio:
     def _take(self, frames) -> None:
         for f in frames:
             x = f.to_ndarray().reshape(-1).astype(np.float32, copy=False)  # (n,) packed mono
+            filled = None
             with self._cond:
                 self._started = True
+                if self._resume is not None and x.size:
+                    position, on_fill = self._resume
+                    self._resume = None
+                    at = self._end
+                    if self.pad_to(position()):
+                        filled = (on_fill, at, self._end - at)
                 self._append(x)
+            if filled is not None:
+                filled[0](filled[1], filled[2])
+            with self._cond:
                 # Back-pressure: hold the reader while too much unreleased audio is buffered.
                 self._cond.wait_for(lambda: self._end - self._released <= self._max or self._stop.is_set())
 

@@ -96,7 +96,7 @@ class LiveChunk(LiveEvent):
 
 @dataclass
 class StallEvent(LiveEvent):
-    """Silence inserted at `at_s` of the timeline after the source gave nothing for `waited_s`."""
+    """Silence inserted at `at_s` of the timeline, where the audio due was `waited_s` late on the session's clock."""
 
     at_s: float
     silence_s: float
@@ -104,7 +104,7 @@ class StallEvent(LiveEvent):
     name = "stall"
 
     def text(self) -> str:
-        return (f"stall: no audio for {self.waited_s:.1f} s at {self.at_s:.2f} s: {self.silence_s:.2f} s of silence "
+        return (f"stall: audio {self.waited_s:.1f} s late at {self.at_s:.2f} s: {self.silence_s:.2f} s of silence "
                 "inserted")
 
 

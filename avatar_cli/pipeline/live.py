@@ -6,10 +6,16 @@ plan of the audio so far and of a longer one share it), and the chunk's audio, u
 features' lookahead, has arrived. When the input ends, the plan of the final length takes over from the chunks handed
 out so far (they must be its first chunks: a family's plan grows at its end only).
 
-A stalled source does not stall the session: when the next chunk's audio is `stall_s` later than audio arriving at
-the speaker's pace would be, silence is inserted up to the chunk's end (the source's `pad_to`), the chunk renders on it (the mouth
-at rest, the head going on), and audio that arrives later continues after that silence. Everything downstream reads
-the same timeline, so the output's audio track is the input with those silences inserted, in sync with the video.
+A stalled source does not stall the session. The session keeps a clock for its audio: from the first chunk on, the
+audio a chunk needs is due at the time the first chunk got its audio plus the speaker's pace since (before it, at the
+first audio's arrival plus that pace). The first chunk's frames left some time after it got its audio, and every
+frame after them leaves at the stream's pace (media/pacing.py), so a chunk whose audio is there when due has its
+frames ready when they must leave. A chunk whose audio is `stall_s` past due renders on silence for what is missing
+(the source's `pad_to`: the mouth at rest, the head going on); from then on, while the source sends nothing, each
+chunk takes its silence when due, so the output keeps its pace through a pause of any length; and the audio that
+arrives next goes where the clock is then (the source's `resume_at`), after the silence, so the speech that follows
+is on time again. Everything downstream reads the same timeline, so the output's audio track is the input with those
+silences inserted, in step with the video. Audio that is late by less than `stall_s` is waited for.
 """
 
 from __future__ import annotations
@@ -51,10 +57,14 @@ class LiveAudio(Protocol):
 
     def pad_to(self, n: int) -> int: ...  # silence up to sample n; returns the samples inserted
 
+    # The next audio to arrive goes no earlier than sample position() (silence filling up to it, on_fill(at, n)).
+    def resume_at(self, position: Callable[[], int] | None, on_fill: Callable[[int, int], None]) -> None: ...
+
 
 @dataclass(frozen=True)
 class Stall:
-    """Silence inserted at timeline sample `at` for `samples` samples, after waiting `waited_s` for audio."""
+    """Silence inserted at timeline sample `at` for `samples` samples, when the audio due there was `waited_s` late
+    on the session's clock."""
 
     at: int
     samples: int
@@ -70,18 +80,32 @@ def _common_prefix(a: list[Chunk], b: list[Chunk]) -> list[Chunk]:
 
 def growing_plan(plan: Callable[[int], list[Chunk]], audio: LiveAudio, fps: float, *, lookahead_s: float = 0.0,
                  stall_s: float = STALL_S, on_stall: Callable[[Stall], None] = lambda _: None,
-                 on_wait: Callable[[float], None] = lambda _: None) -> Iterator[Chunk]:
+                 on_wait: Callable[[float], None] = lambda _: None, now: Callable[[], float] = time.monotonic,
+                 start: float | None = None) -> Iterator[Chunk]:
     """The chunks of `plan(total_frames)` for the audio as it arrives (module docstring), in order.
 
     lookahead_s: audio past a chunk's last frame its features read (a window centred on the frame's time).
     on_wait(seconds): each wait for audio (what the render's own speed leaves out).
+    now: the clock (`audio.wait_for` is the only wait: a fake source advances a fake clock); start: when the first
+    audio arrived on it (default: the first chunk asked for).
     """
     rate = audio.rate
     done: list[Chunk] = []
+    anchor = [now() if start is None else start, 0]  # the audio clock: sample anchor[1] is due at time anchor[0]
 
     def sample_at(frame: int) -> int:  # the first timeline sample at or after video frame `frame`'s start
         return math.ceil(Fraction(frame) * rate / Fraction(fps))
 
+    def due(sample: int) -> float:  # when `sample` is due on the audio clock: the speaker's pace from the anchor
+        return anchor[0] + (sample - anchor[1]) / rate
+
+    def position() -> int:  # the sample the audio clock is at
+        return anchor[1] + int((now() - anchor[0]) * rate)
+
+    def filled(at: int, samples: int) -> None:  # the source resumed where the clock is: silence up to there
+        on_stall(Stall(at=at, samples=samples, waited_s=max(0.0, now() - due(at))))
+
+    stalled, quiet_end = False, 0  # the source sent nothing since silence went in at quiet_end
     lookahead = int(round(lookahead_s * rate))
     while True:
         if audio.ended:
@@ -92,6 +116,7 @@ def growing_plan(plan: Callable[[int], list[Chunk]], audio: LiveAudio, fps: floa
                                   "family cannot render a live session")
             yield from final[len(done):]
             return
+        stalled = stalled and audio.arrived <= quiet_end
         known = int(audio.arrived * fps // rate)  # whole frames of audio so far
         # A chunk is settled once a plan of this audio and of a much longer one agree on it.
         longer = plan(known + 4 * max((c.length for c in done[-2:]), default=1) + int(4 * fps))
@@ -101,20 +126,25 @@ def growing_plan(plan: Callable[[int], list[Chunk]], audio: LiveAudio, fps: floa
         if audio.arrived >= need:
             if len(settled) > len(done):
                 done.append(nxt)
+                if len(done) == 1:  # the clock is the first chunk's: its frames leave as it sets out
+                    anchor[:] = [now(), need]
                 yield nxt
                 continue
             # Its audio is here, but its shape depends on audio still to come (a seam's length, say): one frame more.
             need = audio.arrived + sample_at(1)
-        # Audio arriving at the speaker's pace takes (need - arrived) / rate to get there: it stalled only when it
-        # is later than that by stall_s.
-        t0 = time.monotonic()
-        arrived = audio.arrived
-        ok = audio.wait_for(need, timeout=stall_s + max(0, need - arrived) / rate)
-        on_wait(time.monotonic() - t0)
+        # Due when the clock reaches it; stalled once stall_s past that. While the source stays silent after a
+        # stall, the next chunks take their silence when due: the output keeps its pace through the pause.
+        deadline = due(need) + (0.0 if stalled else stall_s)
+        t0 = now()
+        ok = audio.wait_for(need, timeout=max(0.0, deadline - t0))
+        on_wait(now() - t0)
         if not ok:
+            at = audio.arrived
             added = audio.pad_to(need)
             if added:
-                on_stall(Stall(at=need - added, samples=added, waited_s=time.monotonic() - t0))
+                on_stall(Stall(at=at, samples=added, waited_s=max(0.0, now() - due(at))))
+            stalled, quiet_end = True, audio.arrived
+            audio.resume_at(position, filled)
 
 
 class RelayedAudio:

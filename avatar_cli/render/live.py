@@ -7,12 +7,13 @@
 The same job as a render, set up by the same function (render/setup.py) and run by the same loop; only the source
 and the sinks differ (`Job.live`). What a session does that a render does not:
 - The audio comes from a `StreamAudio` (media/live_audio.py) whose length is known only when it ends; the chunk
-  plan grows as it arrives, and a chunk whose audio stalls renders on silence after `live.stall_s`
-  (pipeline/live.py). The output's audio track reads the same timeline, so it is the input with those silences
+  plan grows as it arrives, and a chunk whose audio is `live.stall_s` past due on the session's clock renders on
+  silence (pipeline/live.py). The output's audio track reads the same timeline, so it is the input with those silences
   inserted, in step with the video.
 - The frames go to a `LiveWriter` (media/live.py): MPEG-TS on stdout, FLV to RTMP, HLS, UDP/TCP; with `live.record`
-  also to a fragmented MP4. With `live.realtime` (auto: for a live output) frames leave at the stream's pace, so a
-  file into a live output reaches the server as a stream, not a burst.
+  also to a fragmented MP4. Frames leave on the frame clock (media/pacing.py: frame k at the first frame's time +
+  k / fps) for a live input, and with `live.realtime` (auto: for a live output) for a file, so a file into a live
+  output reaches the server as a stream, not a burst.
 - There is no resume: a stream cannot be continued. A session that ends (its input ended, SIGINT, SIGTERM) finishes
   the chunk that is being published, drops the one being generated, and closes every output cleanly (an HLS
   playlist ends with EXT-X-ENDLIST, a recording is finalised).
@@ -131,10 +132,12 @@ def _open_endpoints(p: ResolvedJob, job: Opened, reporter: Reporter, stdout_fd: 
     """Open the input and the outputs before any model loads: a stream that does not answer fails first."""
     spec, live, rate = p.job.spec, p.job.spec.live, p.model.family.geometry.sample_rate
     target = live_target(str(p.job.output), keep_segments=live.hls_keep_segments)
-    ends = Endpoints(live.realtime if isinstance(live.realtime, bool) else target is not None, target)
-    if is_stream_input(str(p.job.audio)) and not job.main:
+    streaming = is_stream_input(str(p.job.audio))
+    # A live input into a live output is always on the frame clock (its chunk plan times its waits against it).
+    ends = Endpoints(target is not None if live.realtime == "auto" or streaming else live.realtime, target)
+    if streaming and not job.main:
         ends.relayed = RelayedAudio(rate)  # the windows rank 0 reads, sent with each chunk
-    elif is_stream_input(str(p.job.audio)):
+    elif streaming:
         raw = live.raw_audio
         ends.audio = StreamAudio.open(str(p.job.audio), rate=rate, timeout_s=live.first_audio_s,
                                       raw=RawPCM(raw.format, raw.rate, raw.channels) if raw.format else None)
@@ -237,7 +240,7 @@ def _chunks(p: ResolvedJob, job: Opened, built: Built, ends: Endpoints, watch: W
         ends.audio.wait_started(live.first_audio_s)
         watch.first_audio = ends.audio.arrival(0) or now()
         chunks = growing_plan(lambda total: pipeline.schedule(spec, total), ends.audio, spec.video.fps,
-                              lookahead_s=lookahead_s, stall_s=live.stall_s,
+                              lookahead_s=lookahead_s, stall_s=live.stall_s, start=watch.first_audio,
                               on_stall=lambda s: watch.on_stall(s, reporter), on_wait=watch.waits.append)
         source = ends.audio
     elif ends.relayed is not None:
