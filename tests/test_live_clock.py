@@ -160,3 +160,25 @@ def test_the_deadline_is_the_clocks_time_plus_stall_s():
     # While the source stays silent, each later chunk takes its silence when due: at the speaker's pace.
     times = [t for t, _ in rest if t < 30.0]
     assert times and all(b - a == pytest.approx(28 / FPS, abs=0.05) for a, b in zip(times, times[1:]))
+
+
+def test_one_pause_is_one_stall_however_many_chunks_it_spans():
+    """The session's watch (render/live.py) reports a pause once, when its silence first goes in; the silence of
+    the chunks after it adds to that stall, and a later pause is a stall of its own."""
+    from avatar_cli.pipeline.events import StallEvent
+    from avatar_cli.render.live import Watch
+    from avatar_cli.report import QuietReporter
+
+    said = []
+
+    class Events(QuietReporter):
+        def live(self, event) -> None:
+            said.append(event)
+
+    watch = Watch(RATE, FPS, max_latency_s=5.0)
+    n = RATE // 2
+    for at in (RATE, RATE + n, RATE + 2 * n, 5 * RATE):  # three pieces of one pause, then another pause
+        watch.on_stall(Stall(at=at, samples=n, waited_s=1.0), Events(0))
+    assert [(e.at_s, e.silence_s) for e in said if isinstance(e, StallEvent)] == [(1.0, 0.5), (5.0, 0.5)]
+    figures = watch.figures(None, None)
+    assert figures.stalls == 2 and figures.silence_s == 2.0

@@ -182,6 +182,12 @@ class Watch:
     warned_slow: bool = False
 
     def on_stall(self, s: Stall, reporter: Reporter) -> None:
+        """One pause of the source is one stall, however many chunks its silence spans: silence that continues the
+        last (it starts where that one ended) adds to it, and only a new pause is reported."""
+        last = self.stalls[-1] if self.stalls else None
+        if last is not None and s.at == last.at + last.samples:
+            self.stalls[-1] = Stall(last.at, last.samples + s.samples, last.waited_s)
+            return
         self.stalls.append(s)
         reporter.live(StallEvent(round(s.at / self.rate, 3), round(s.samples / self.rate, 3), round(s.waited_s, 3)))
 
