@@ -88,6 +88,7 @@ def test_the_model_cache_keys_on_the_split_and_the_rings(job_dir, counted_loads)
     assert len(counted_loads) == 2 and steps[1] is not first[1]
     disk = get(Split.steps, RingStore("disk", job_dir))
     assert len(counted_loads) == 3 and disk[1] is not steps[1] and disk[1].rings == RingStore("disk", job_dir)
+    assert (first[1].split, steps[1].split, disk[1].split) == ("sequence", "steps", "steps")
     keys = list(cache.loaded)
     assert len(keys) == 1 and keys[0][-2:] == ("steps", RingStore("disk", job_dir))  # one model set at a time
 

@@ -13,7 +13,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Collection, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -60,7 +60,7 @@ class ModelCache:
                 rt_spec.offload_host.value, split.value, rings)
 
     def get(self, source: ModelSource, runtime: Runtime, dist: Dist, rt_spec, reporter: Reporter, *,
-            split: Split = Split.sequence, rings: RingStore = RingStore(), skip: Collection[str] = (),
+            split: Split = Split.single, rings: RingStore = RingStore(), skip: Collection[str] = (),
             working_bytes: int | None = None) -> tuple[dict[str, Module], Placement]:
         """split: how the job's ranks split its work; rings: where its key/value rings live (place_rings), held
         by the placement. skip: components this
@@ -73,7 +73,7 @@ class ModelCache:
                 reporter.info(f"note: model '{source.name}' has no trained weights yet: a seeded random init stands "
                               "in, so the video shows noise, not a face")
             self.loaded.clear()  # keep one model set resident, not one per model ever used
-            self.loaded[key] = ({}, Placement(rings=rings))
+            self.loaded[key] = ({}, Placement(rings=rings, split=split.value))
         modules, placement = self.loaded[key]
         wanted = [n for n in source.family.components if n not in skip and n not in modules]
         if wanted:
@@ -89,7 +89,7 @@ class ModelCache:
                 placement.offloaders.update(added.offloaders)
                 placement.sharded.update(added.sharded)
             else:
-                placement = added
+                placement = replace(added, split=split.value)
             modules.update(more)
             self.loaded[key] = (modules, placement)
         return modules, placement
@@ -242,8 +242,8 @@ def build(p: ResolvedJob, job: Opened, reporter: Reporter, models: ModelCache | 
     modules, placement = models.get(p.model, runtime, Dist() if steps else dist, spec.runtime, reporter,
                                     split=p.parallel, rings=rings, skip=skip,
                                     working_bytes=working_bytes(p, runtime, dist, models, rings))
-    pipeline = Pipeline(modules, family, runtime, placement, prompts=prompts, steps_dist=dist if steps else None,
-                        absent=absent)
+    pipeline = Pipeline(modules, family, runtime, placement, prompts=prompts,
+                        steps_dist=dist if placement.split == Split.steps else None, absent=absent)
     image = family.fit_reference(p.image, *p.gen_size)  # (3, H, W) in [-1, 1]
     for warning in p.warnings if job.main else []:
         reporter.info(warning)

@@ -57,11 +57,15 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Placement:
+    """Where one job's models live on this rank and how its work is laid out: offloaded and sharded models, where
+    the rings live, and how the ranks split the work (`runtime.parallel` as resolved: single | sequence | steps)."""
+
     offloaders: dict[str, BlockOffloader | ModelOffloader] = field(default_factory=dict)
     sharded: dict[str, torch.nn.Module] = field(default_factory=dict)
     reshard_per_stage: bool = False
     offload: str = "none"
     rings: RingStore = RingStore()  # where a streaming family's key/value rings live (runtime.rings)
+    split: str = "single"  # how the ranks split the work: single | sequence | steps (the timestep pipeline)
 
     @contextlib.contextmanager
     def stage(self, names: str | Iterable[str], then: str | Iterable[str] = ()) -> Iterator[None]:
