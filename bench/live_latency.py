@@ -55,11 +55,14 @@ def _rtmp_listener(url: str, out: str, ready) -> None:
     the listener blocks in FFmpeg until the publisher connects)."""
     ready.set()
     times = []
-    with av.open(url, options={"listen": "1", "probesize": "32768", "analyzeduration": "0",
-                               "fflags": "nobuffer"}, timeout=120) as c:
-        for packet in c.demux(video=0):
-            if packet.size:
-                times.append(time.monotonic())
+    with av.open(url, format="flv", options={"listen": "1", "timeout": "120", "probesize": "32768",
+                                             "analyzeduration": "0", "fflags": "nobuffer"}) as c:
+        try:
+            for packet in c.demux(video=0):
+                if packet.size:
+                    times.append(time.monotonic())
+        except av.error.FFmpegError:  # the publisher hung up: what arrived is counted
+            pass
     Path(out).write_text(json.dumps(times))
 
 
@@ -131,25 +134,32 @@ def session(seconds: float, output: str, overrides: tuple[str, ...] = ()) -> dic
             total += len(data)
             reads.append((total, time.monotonic(), data))
 
-    threading.Thread(target=drain, daemon=True).start()
+    if output == "stdout":  # the stream is stdout, the events go to stderr; else the events are on stdout
+        threading.Thread(target=drain, daemon=True).start()
     events: list[dict] = []
+    log: list[str] = []
     ready = threading.Event()
 
     def read_events():
-        for line in proc.stderr:
-            if line.startswith(b"{"):
+        for line in proc.stderr if output == "stdout" else proc.stdout:
+            if not line.startswith(b"{"):
+                log.append(line.decode(errors="replace"))
+            else:
                 e = json.loads(line)
                 events.append(e)
                 if e["event"] == "ready":
                     ready.set()
 
     threading.Thread(target=read_events, daemon=True).start()
+    if output != "stdout":
+        threading.Thread(target=lambda: [log.append(line.decode(errors="replace")) for line in proc.stderr],
+                         daemon=True).start()
     samples: list[dict] = []
     stop = threading.Event()
     threading.Thread(target=sample_process, args=(proc.pid, samples, stop), daemon=True).start()
     if not ready.wait(120):
         proc.kill()
-        raise SystemExit(f"no ready event: {events}")
+        raise SystemExit(f"no ready event: {''.join(log[-20:])}")
     hls = _HlsWatch(Path(target)) if output == "hls" else None
     piece = int(PIECE_S * rate) * 2
     sent: list[tuple[int, float]] = []  # (samples written so far, when that write returned)
