@@ -99,7 +99,7 @@ class _HlsWatch:
                 self.arrivals.extend(t for p in c.demux(video=0) if p.size)
 
 
-def session(seconds: float, output: str, overrides: tuple[str, ...] = ()) -> dict:
+def session(seconds: float, output: str = "stdout", overrides: tuple[str, ...] = ()) -> dict:
     WORK.mkdir(parents=True, exist_ok=True)
     wav = looped_speech(seconds, WORK / f"live_{int(seconds)}s.wav")
     with wave.open(str(wav)) as w:
@@ -193,7 +193,7 @@ def session(seconds: float, output: str, overrides: tuple[str, ...] = ()) -> dic
         hls.check()
         arrivals = hls.arrivals
     done = [e for e in events if e["event"] == "done"][0]
-    fps = done.get("fps", 25.0)
+    fps = done["video_fps"]
     counts = [n for n, _ in sent]
 
     def audio_sent(k: int) -> float:  # when the WAV writer sent sample k / fps * rate
