@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from avatar_cli.errors import InputError
+from avatar_cli.errors import InputError, SpecError
 from avatar_cli.families.base import Sampling, check_degree
 from avatar_cli.families.registry import ModelSource, check_model, resolve_model, with_dit, with_lora, with_mode
 from avatar_cli.media.audio import AudioInfo, probe_audio
@@ -174,6 +174,23 @@ def resolve_decode(job: Job, family, runtime: Runtime, parallel: Split) -> tuple
     return decode, why
 
 
+def live_chunking(job: Job) -> Job:
+    """A live session's job with `live.chunk_frames` as its chunking.frames (the session then renders the frames a
+    file render with that chunking.frames renders); any other job as it is. SpecError where the chunk is too short
+    for the job's other chunking keys."""
+    n = job.spec.live.chunk_frames
+    if not job.live or n is None or n == job.spec.chunking.frames:
+        return job
+    c = replace(job.spec.chunking, frames=n)
+    if c.motion_frames >= n:
+        raise SpecError(f"live.chunk_frames: {n} must be larger than chunking.motion_frames ({c.motion_frames})")
+    if c.transitions is not False and c.motion_frames + c.transition_frames > n:
+        raise SpecError(f"live.chunk_frames: {n} must be at least chunking.motion_frames + "
+                        f"chunking.transition_frames ({c.motion_frames + c.transition_frames}) while transitions "
+                        f"may be on (set chunking.transitions: false, or a longer live.chunk_frames)")
+    return replace(job, spec=replace(job.spec, chunking=c))
+
+
 def resolve(job: Job, force: bool = False, world_size: int | None = None) -> ResolvedJob:
     """Open and check every input and make every open choice, without loading models (module docstring).
 
@@ -191,6 +208,7 @@ def resolve(job: Job, force: bool = False, world_size: int | None = None) -> Res
                              f"{fps:g} fps")
     model = resolve_source(job)
     family = model.family
+    job = live_chunking(job)
     sp = job.spec.sampling
     try:  # a setting this family cannot render is a spec error, before any model loads
         family.check_job(job.spec.chunking, Sampling(sp.steps, sp.guidance, sp.shift))

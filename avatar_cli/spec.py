@@ -194,6 +194,9 @@ class LiveSpec:
     """A live session: audio that keeps arriving (`audio: -`, a FIFO, a URL) and/or a live output (`output: -`,
     rtmp://, udp://, tcp://, a .m3u8 path). avatar_cli/render/live.py."""
 
+    # A live session's chunking.frames (null: chunking.frames). A chunk's first frame waits for the chunk's last
+    # audio, so the chunk's length is part of every frame's latency; a file render keeps chunking.frames.
+    chunk_frames: Optional[int] = 12
     stall_s: float = 1.0  # a chunk whose audio is this far past due on the session's clock renders on silence
     first_audio_s: float = 30.0  # a live input that sends nothing for this long fails the session (exit 1)
     # A file's frames leave at the stream's pace (as `ffmpeg -re`): auto = for a live output; a file output stays as
@@ -440,6 +443,7 @@ def validate(s: JobSpec) -> None:
         (s.live.record is None or Path(s.live.record).suffix.lower() == ".mp4", "live.record must end in .mp4"),
         (not s.live.preview or s.output.lower().endswith(".m3u8"),
          "live.preview (--preview) serves an HLS output: give the output as a .m3u8 path, e.g. -o out/live.m3u8"),
+        (s.live.chunk_frames is None or s.live.chunk_frames > 0, "live.chunk_frames must be positive"),
         (s.live.stall_s > 0, "live.stall_s must be positive"),
         (s.live.first_audio_s > 0, "live.first_audio_s must be positive"),
         (s.live.max_latency_s > 0, "live.max_latency_s must be positive"),

@@ -90,6 +90,7 @@ COMMENTS = {
     "runtime.text_service.fallback": "service down or answering garbage: encode here with a note (false: exit 1)",
     "runtime.text_service.timeout_s": "seconds per request",
     "runtime.text_service.retries": "further attempts after a connection error, a timeout or a 5xx, with backoff",
+    "live.chunk_frames": "a live session's chunking.frames (shorter: lower latency); null: chunking.frames",
     "live.stall_s": "a chunk whose audio is this far past due on the session's clock renders on silence",
     "live.first_audio_s": "a live input that sends nothing for this long fails the session (exit 1)",
     "live.realtime": "a file's frames leave at the stream's pace: true | false | auto (auto: for a live output)",

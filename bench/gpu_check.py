@@ -321,7 +321,7 @@ def live_session() -> None:
     """A live session of the sample job on this device, a WAV on stdin at the speaker's pace (bench/live_latency.py)."""
     seconds = size(60, 3)
     r = live_latency.session(seconds, overrides=(f"runtime.device={DEV.type}",))
-    report(f"live session ({seconds} s): first frame out s", r["first_frame_s"])
+    report(f"live session ({seconds} s): first frame at the reader s", round(r["first_frame_s"], 3))
     report(f"live session ({seconds} s): latency median s", round(r["latency_median_s"], 3))
     report(f"live session ({seconds} s): latency p95 s", round(r["latency_p95_s"], 3))
     report(f"live session ({seconds} s): stalls", r["stalls"])

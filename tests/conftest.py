@@ -118,13 +118,14 @@ def tiny_model(tmp_path_factory) -> Path:
 def write_job(folder: Path, model: Path) -> Path:
     """ref.png, speech.wav (2.3 s) and job.yaml using `model`, in folder.
 
-    I chunks on, as a GPU's `auto` has them, so the tests on this CPU run the whole schedule."""
+    I chunks on, as a GPU's `auto` has them, so the tests on this CPU run the whole schedule; a live session of it
+    chunks as its render does (live.chunk_frames), so its frames are the render's."""
     write_reference(folder / "ref.png")
     write_wav(folder / "speech.wav", 2.3)
     (folder / "job.yaml").write_text(
         "reference: ref.png\naudio: speech.wav\noutput: out/video.mp4\n"
         f"model: {model}\nseed: 3\nchunking:\n  frames: 16\n  motion_frames: 3\n  transitions: true\n"
-        "  transition_frames: 4\n")
+        "  transition_frames: 4\nlive:\n  chunk_frames: 16\n")
     return folder
 
 

@@ -94,6 +94,39 @@ def test_wav_on_stdin_to_stdout_is_the_renders_frames(rendered):
     assert abs(len(audio) / rate - video / FPS) <= 1024 / rate + 1e-6  # in step, to one AAC frame
 
 
+def test_a_sessions_own_chunk_is_a_renders_chunking_at_any_pace(rendered, tmp_path: Path):
+    """live.chunk_frames is the session's chunking.frames: its frames are a file render's with that chunking.frames,
+    whether the audio comes at once or at the speaker's pace; a chunk too short for the job's other keys is refused."""
+    folder, done = rendered
+    r = avatar("render", str(folder / "job.yaml"), "chunking.frames=8", "-o", str(tmp_path / "eight.mp4"), "--json")
+    assert r.returncode == 0, r.stderr
+    eight = [e for e in events(r.stdout) if e["event"] == "done"][0]
+    assert eight["frames"] == done["frames"] and eight["frames_digest"] != done["frames_digest"]
+    wav = (folder / "speech.wav").read_bytes()
+    code, _, err = session(folder, wav, "live.chunk_frames=8")  # all at once
+    assert code == 0, err
+    assert events(err)[-1]["frames_digest"] == eight["frames_digest"]
+    proc = start_avatar("render", str(folder / "job.yaml"), "audio=-", "-o", "-", "--json", "live.chunk_frames=8",
+                        "live.stall_s=5", stdin=subprocess.PIPE, text=False)
+    import threading
+
+    head = wait_ready(proc)
+    reads: list = []
+    reader = threading.Thread(target=timed_reads, args=(proc.stdout, reads), daemon=True)
+    reader.start()
+    proc.stdin.write(wav[:44])
+    paced(proc.stdin, wav[44:], 1 / (16000 * 2))  # at the speaker's pace
+    proc.stdin.close()
+    reader.join(timeout=120)
+    out, err = b"".join(d for _, _, d in reads), head + proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0, err
+    last = events(err)[-1]
+    assert last["stalls"] == 0 and last["frames_digest"] == eight["frames_digest"]
+    assert decode(out)[0] == eight["frames"]
+    short = avatar("validate", str(folder / "job.yaml"), "audio=-", "-o", "-", "live.chunk_frames=3")
+    assert short.returncode == 2 and "live.chunk_frames" in short.stderr
+
+
 def test_raw_pcm_on_stdin(rendered):
     folder, done = rendered
     pcm = (folder / "speech.wav").read_bytes()[44:]  # the conftest's WAV: a 44-byte header, s16le mono 16 kHz

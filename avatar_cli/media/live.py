@@ -41,6 +41,13 @@ HLS_MIN_FREE = 1 << 20  # bytes a segment folder must have free before a segment
 _UNREACHABLE = {errno.ECONNREFUSED, errno.ECONNRESET, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ETIMEDOUT,
                 errno.EIO, errno.EPIPE, errno.ENOENT, errno.EACCES}
 STREAM_SCHEMES = {"rtmp": "flv", "rtmps": "flv", "udp": "mpegts", "tcp": "mpegts"}
+# What keeps a stream's muxer from holding packets back. flush_packets: each packet's bytes leave as it is muxed.
+# max_interleave_delta (microseconds): by default the interleaver holds a video packet until the audio has a later
+# one, and the AAC encoder's packets trail the frames by two AAC frames (2048 samples), so a chunk's last frames
+# would wait for the next chunk; at 1 a packet waits at most for the next packet muxed. pes_payload_size 0 (MPEG-TS): each AAC packet is a
+# PES of its own, not gathered for up to half of max_delay (0.35 s).
+LOW_DELAY = {"flush_packets": "1", "max_interleave_delta": "1"}
+MPEGTS_LOW_DELAY = {**LOW_DELAY, "pes_payload_size": "0"}
 
 
 @dataclass(frozen=True)
@@ -63,11 +70,11 @@ def live_target(output: str, *, keep_segments: bool = False) -> LiveTarget | Non
     any length holds bounded disk; `keep_segments` keeps every segment and lists them all (an "event" playlist a
     late viewer can seek back in, which grows with the session)."""
     if output == "-":
-        return LiveTarget("-", "mpegts", {"flush_packets": "1"})
+        return LiveTarget("-", "mpegts", dict(MPEGTS_LOW_DELAY))
     scheme = urlsplit(output).scheme.lower()
     if scheme in STREAM_SCHEMES:
         fmt = STREAM_SCHEMES[scheme]
-        options = {"flush_packets": "1"}
+        options = dict(MPEGTS_LOW_DELAY if fmt == "mpegts" else LOW_DELAY)
         if fmt == "flv":
             options["flvflags"] = "no_duration_filesize"  # a live FLV has no length to write back at the end
         if scheme == "udp":

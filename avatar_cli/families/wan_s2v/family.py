@@ -131,7 +131,8 @@ class WanS2VFamily(Family):
     def job_defaults(self) -> dict[str, Any]:
         return {"video.fps": NATIVE_FPS, "sampling.steps": 40, "sampling.guidance": 4.5, "sampling.shift": 3.0,
                 "chunking.frames": CLIP_FRAMES, "chunking.motion_frames": self.config.dit.motion_frames,
-                "chunking.transitions": False}
+                "chunking.transitions": False,
+                "live.chunk_frames": "null"}  # a session's clips are the render's (a clip's length is the model's)
 
     def frame_size(self, image_wh: tuple[int, int], requested: tuple[int, int] | None) -> tuple[int, int]:
         """The job's video.width/height when set (multiples of 16), else the official area rule at 480p."""

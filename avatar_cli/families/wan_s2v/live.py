@@ -127,7 +127,8 @@ class LiveAvatarFamily(WanS2VFamily):
 
     def job_defaults(self) -> dict[str, Any]:
         return {"video.fps": NATIVE_FPS, "sampling.steps": 4, "sampling.guidance": 1.0, "sampling.shift": 3.0,
-                "chunking.frames": BLOCK_FRAMES, "chunking.motion_frames": 0, "chunking.transitions": False}
+                "chunking.frames": BLOCK_FRAMES, "chunking.motion_frames": 0, "chunking.transitions": False,
+                "live.chunk_frames": "null"}  # a session's blocks are the render's (the block is fixed)
 
     def frame_size(self, image_wh: tuple[int, int], requested: tuple[int, int] | None) -> tuple[int, int]:
         """The job's video.width/height when set (WanS2VFamily's rules), else their area rule at 720x400."""
