@@ -63,3 +63,19 @@ def test_threads_0_restores_the_start_count_after_a_job_that_set_one():
         assert torch.get_num_threads() == start
     finally:
         torch.set_num_threads(start)
+
+
+def test_one_cpu_thread_runs_its_block_on_one_thread_and_restores_the_count_even_on_error():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with device.one_cpu_thread():
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+        with pytest.raises(RuntimeError), device.one_cpu_thread():
+            raise RuntimeError("a load that fails")
+        assert torch.get_num_threads() == 2
+        with device.one_cpu_thread(on=False):  # a GPU job, or a load that computes: the job's count
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

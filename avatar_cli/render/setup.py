@@ -29,7 +29,7 @@ from avatar_cli.runtime.job_budget import render_rings, render_working_bytes
 from avatar_cli.prompts import cache as prompt_cache
 from avatar_cli.prompts.cache import PromptCache
 from avatar_cli.report import Reporter
-from avatar_cli.runtime.device import Runtime, dtype_name, resolve_runtime, set_cpu_threads
+from avatar_cli.runtime.device import Runtime, dtype_name, one_cpu_thread, resolve_runtime, set_cpu_threads
 from avatar_cli.runtime.distributed import Dist, current_dist, launched_by_torchrun
 from avatar_cli.runtime.numa import bind_to_gpu_node
 from avatar_cli.runtime.offload import Transfer, host_available
@@ -78,13 +78,18 @@ class ModelCache:
         wanted = [n for n in source.family.components if n not in skip and n not in modules]
         if wanted:
             unwanted = [n for n in source.family.components if n not in wanted]
-            more = load_modules(source, skip=unwanted) if unwanted else load_modules(source)
-            added = place(more, runtime, dist, rt_spec.offload.value, rt_spec.reshard.value, transfer=self.transfer,
-                          free_bytes=self.free_bytes,
-                          plan=plan_for(source.family.parallel.with_dtype("vae", rt_spec.vae_dtype.value), more),
-                          shard=rt_spec.shard.value, weights=rt_spec.weights.value,
-                          offload_host=rt_spec.offload_host.value, rings=rings,
-                          **({} if working_bytes is None else {"working_bytes": working_bytes}))
+            # A CPU's weights are read and converted on one thread (one_cpu_thread: copies, the same on any
+            # count); quantizing and LoRA merges compute, so they keep the job's threads.
+            with one_cpu_thread(not runtime.is_cuda):
+                more = load_modules(source, skip=unwanted) if unwanted else load_modules(source)
+            copies_only = rt_spec.weights.value == "bf16" and not any(m.after_load for m in more.values())
+            with one_cpu_thread(not runtime.is_cuda and copies_only):
+                added = place(more, runtime, dist, rt_spec.offload.value, rt_spec.reshard.value,
+                              transfer=self.transfer, free_bytes=self.free_bytes,
+                              plan=plan_for(source.family.parallel.with_dtype("vae", rt_spec.vae_dtype.value), more),
+                              shard=rt_spec.shard.value, weights=rt_spec.weights.value,
+                              offload_host=rt_spec.offload_host.value, rings=rings,
+                              **({} if working_bytes is None else {"working_bytes": working_bytes}))
             if modules:  # beside a placed set: the stages look each component up by name in either
                 placement.offloaders.update(added.offloaders)
                 placement.sharded.update(added.sharded)

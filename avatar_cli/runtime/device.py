@@ -1,5 +1,7 @@
 """Where and in what precision the models run."""
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -75,6 +77,23 @@ def set_cpu_threads(threads: int) -> None:
     (OMP_NUM_THREADS, else one per core), not whatever an earlier job of the same process (a batch, a test session)
     set: the thread count changes float sums' order."""
     torch.set_num_threads(threads if threads > 0 else _START_THREADS)
+
+
+@contextmanager
+def one_cpu_thread(on: bool = True) -> Iterator[None]:
+    """torch on one CPU thread for the block (when `on`), then the count it had.
+
+    For loading: reading and converting weights is many small copies, each split over the pool when it is over
+    torch's grain size; one thread does each as fast, where waking the pool's others costs more than the copy
+    whenever another process holds those cores (bench/results.md). Copies come out the same on any count."""
+    before = torch.get_num_threads()
+    if on:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if on:
+            torch.set_num_threads(before)
 
 
 def resolve_runtime(device: str, dtype: str, threads: int = 0) -> Runtime:
