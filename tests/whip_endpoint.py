@@ -5,8 +5,8 @@ endpoint in the muxer's process would never get to answer.
 POST an SDP offer to `url`: the endpoint answers as an ingest server does (201 Created, the answer, a `Location`
 header naming the session's resource, relative as servers usually give it) and receives the tracks: every decoded
 video frame and audio frame is counted, with its timestamp, so a test can check counts and gaps. DELETE to the
-resource ends the session. `refuse` answers every offer with that status instead; `gone()` hangs up mid-session:
-the peer connection closes, its sockets with it, and the HTTP server stops.
+resource ends the session. `refuse` answers every offer with that status instead; `WhipPeer.gone()` kills the
+endpoint's process mid-session, as a server that crashes.
 
 aiortc leaves 127.0.0.1 out of its host candidates and asks a public STUN server by default: on loopback, with no
 network, the endpoint offers its loopback address and no ICE servers.
@@ -152,8 +152,7 @@ class WhipEndpoint:
                 r.audio_rate = frame.sample_rate
                 r.audio_peak = max(r.audio_peak, float(abs(frame.to_ndarray()).max()) / 32768)
 
-    def gone(self) -> None:
-        """Hang up mid-session: the peer and the HTTP server both go."""
+    def _stop(self) -> None:
         if self._gone:
             return
         self._gone = True
@@ -169,7 +168,7 @@ class WhipEndpoint:
 
     def close(self) -> None:
         try:
-            self.gone()
+            self._stop()
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._loop_thread.join(10)
@@ -184,15 +183,12 @@ class WhipEndpoint:
 
 
 def serve(refuse: int | None) -> None:
-    """The endpoint's process: prints its URL, then answers a line on stdin: `report` (a JSON line of what it
-    received), `gone` (hang up); at the end of stdin it closes."""
+    """The endpoint's process: prints its URL, then answers `report` on stdin with a JSON line of what it
+    received; at the end of stdin it closes."""
     endpoint = WhipEndpoint(refuse)
     print(endpoint.url, flush=True)
     for line in sys.stdin:
-        if line.strip() == "gone":
-            endpoint.gone()
-            print("{}", flush=True)
-        elif line.strip() == "report":
+        if line.strip() == "report":
             print(json.dumps(endpoint.report()), flush=True)
     endpoint.close()
 
@@ -216,7 +212,9 @@ class WhipPeer:
         return self._ask("report")
 
     def gone(self) -> None:
-        self._ask("gone")
+        """The endpoint's process dies, as a server that crashes: every socket it held closes."""
+        self.proc.kill()
+        self.proc.wait(timeout=30)
 
     def close(self) -> None:
         try:

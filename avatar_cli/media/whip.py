@@ -225,10 +225,14 @@ class WhipWriter(LiveWriter):
         super()._raise_if_failed()
 
     def _finalize(self) -> None:
-        if self._connected:
+        if self._connected and self._error is None:
             super()._finalize()  # closing the container sends the DELETE
             return
-        if self._feed is not None:  # never connected: nothing to flush, nothing to delete
+        # Never connected (nothing to flush, nothing to delete), or the muxer failed: it can block on a packet
+        # muxed after its failure, so none is.
+        if self._feed is not None:
             self._feed.close()
-        self._container.close()
-        self._certs.cleanup()
+        try:
+            self._container.close()
+        finally:
+            self._certs.cleanup()
