@@ -11,9 +11,9 @@ and the sinks differ (`Job.live`). What a session does that a render does not:
   (pipeline/live.py). The output's audio track reads the same timeline, so it is the input with those silences
   inserted, in step with the video.
 - The frames go to a `LiveWriter` (media/live.py): MPEG-TS on stdout, FLV to RTMP, HLS, UDP/TCP, WebRTC to a WHIP
-  endpoint (media/whip.py); with `live.record`
-  also to a fragmented MP4. With `live.realtime` (auto: for a live output) frames leave at the stream's pace, so a
-  file into a live output reaches the server as a stream, not a burst.
+  endpoint (media/whip.py); with `live.record` also to a fragmented MP4. With `live.realtime` (auto: for a live
+  output) frames leave at the stream's pace, so a file into a live output reaches the server as a stream, not a
+  burst.
 - There is no resume: a stream cannot be continued. A session that ends (its input ended, SIGINT, SIGTERM) finishes
   the chunk that is being published, drops the one being generated, and closes every output cleanly (an HLS
   playlist ends with EXT-X-ENDLIST, a recording is finalised).
