@@ -29,6 +29,8 @@ from avatar_cli.families.base import Sampling, check_degree
 from avatar_cli.families.registry import ModelSource, check_model, resolve_model, with_dit, with_lora, with_mode
 from avatar_cli.media.audio import AudioInfo, probe_audio
 from avatar_cli.media.image import load_image, small_image_warning
+from avatar_cli.media.whip import check_available as check_whip
+from avatar_cli.media.whip import is_whip_output, read_bearer_token
 from avatar_cli.pipeline.schedule import choose_transitions, num_frames
 from avatar_cli.pipeline.steps import check_family, choose_parallel
 from avatar_cli.prompts import cache as prompt_cache
@@ -108,10 +110,15 @@ def check_output(output: Path, force: bool) -> None:
 
 def check_live(job: Job, force: bool) -> None:
     """A live session's outputs: an HLS playlist or a recording that exists is replaced only with --force (a stream
-    URL is opened, and refused if it does not answer, when the session starts)."""
+    URL is opened, and refused if it does not answer, when the session starts); a WHIP output's bearer token file
+    must hold a token."""
     out = str(job.output)
     if out.lower().endswith(".m3u8"):
         check_output(Path(out), force)
+    if is_whip_output(out):
+        check_whip(out)
+    if job.bearer_token_file is not None:
+        read_bearer_token(job.bearer_token_file)
     if job.record is not None:
         check_output(job.record, force)
 

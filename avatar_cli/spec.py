@@ -192,7 +192,7 @@ class RawAudioSpec:
 @dataclass
 class LiveSpec:
     """A live session: audio that keeps arriving (`audio: -`, a FIFO, a URL) and/or a live output (`output: -`,
-    rtmp://, udp://, tcp://, a .m3u8 path). avatar_cli/render/live.py."""
+    rtmp://, udp://, tcp://, a .m3u8 path, an http(s):// WHIP endpoint). avatar_cli/render/live.py."""
 
     # A live session's chunking.frames (null: chunking.frames). A chunk's first frame waits for the chunk's last
     # audio, so the chunk's length is part of every frame's latency; a file render keeps chunking.frames.
@@ -207,9 +207,12 @@ class LiveSpec:
     record: Optional[str] = None  # also write the session to this MP4 (fragmented: playable even if killed)
     preview: bool = False  # serve the HLS output and a player page on loopback (media/preview/), URL printed
     raw_audio: RawAudioSpec = field(default_factory=RawAudioSpec)
+    # WHIP: a file holding the endpoint's bearer token, sent as `Authorization: Bearer <token>` (relative to the job
+    # file; the token is the file's content, whitespace stripped).
+    bearer_token_file: Optional[str] = None
 
 
-LIVE_SCHEMES = ("rtmp://", "rtmps://", "udp://", "tcp://")
+LIVE_SCHEMES = ("rtmp://", "rtmps://", "udp://", "tcp://", "http://", "https://")
 
 
 def is_live_output(output: str) -> bool:
@@ -267,6 +270,7 @@ class Job:
     lora: Path | None = None  # the LoRA file, absolute
     dit: Path | None = None  # the DiT file, absolute
     record: Path | None = None  # live.record, absolute
+    bearer_token_file: Path | None = None  # live.bearer_token_file, absolute
     # The model as resolved for its family's defaults (a families.registry.ModelSource in the job's mode; None
     # when it did not resolve): job.resolve_source goes on from it instead of resolving the model again.
     source: Any = field(default=None, compare=False, repr=False)
@@ -391,7 +395,9 @@ def load_job(job_path: str | Path, overrides: list[str] | None = None, output: s
                audio=resolve_stream("audio", spec.audio), output=resolve_stream("output", spec.output), model=model,
                lora=resolve("lora", spec.lora) if spec.lora is not None else None, source=source,
                dit=resolve("dit", spec.dit) if spec.dit is not None else None,
-               record=resolve("live.record", spec.live.record) if spec.live.record is not None else None)
+               record=resolve("live.record", spec.live.record) if spec.live.record is not None else None,
+               bearer_token_file=resolve("live.bearer_token_file", spec.live.bearer_token_file)
+               if spec.live.bearer_token_file is not None else None)
 
 
 def _model_source(model: str, base: Path, mode: str):
@@ -439,7 +445,10 @@ def validate(s: JobSpec) -> None:
         (s.lora_rank > 0, "lora_rank must be positive"),
         (s.lora_scale is None or math.isfinite(s.lora_scale), "lora_scale must be a finite number"),
         (Path(s.output).suffix.lower() == ".mp4" or is_live_output(s.output),
-         "output must end in .mp4, or be a live output: -, rtmp://, rtmps://, udp://, tcp:// or a .m3u8 path"),
+         "output must end in .mp4, or be a live output: -, rtmp://, rtmps://, udp://, tcp://, http(s):// (WHIP) "
+         "or a .m3u8 path"),
+        (s.live.bearer_token_file is None or s.output.lower().startswith(("http://", "https://")),
+         "live.bearer_token_file is for a WHIP output (an http:// or https:// URL)"),
         (s.live.record is None or Path(s.live.record).suffix.lower() == ".mp4", "live.record must end in .mp4"),
         (not s.live.preview or s.output.lower().endswith(".m3u8"),
          "live.preview (--preview) serves an HLS output: give the output as a .m3u8 path, e.g. -o out/live.m3u8"),

@@ -47,7 +47,7 @@ SECTIONS = {
 COMMENTS = {
     "reference": "the reference picture: png, jpg or webp, any size (relative paths: to the job file's folder)",
     "audio": "the speech: anything PyAV decodes; its length sets the video's. Live: - (stdin), a FIFO or a URL",
-    "output": "the MP4 to write; live: - (MPEG-TS on stdout), rtmp://, udp://, tcp:// or a .m3u8 path (HLS)",
+    "output": "the MP4 to write; live: - (MPEG-TS on stdout), rtmp://, udp://, tcp://, .m3u8 (HLS), http(s):// (WHIP)",
     "prompt": "words steering the expression (\"smiling, lively\"); cut at the text encoder's length, with a warning",
     "seed": "noise is drawn per chunk from this seed and the chunk index, never from the rank count",
     "model": "a shipped model's name (`avatar models`), or a model directory (relative to the job file's folder)",
@@ -101,6 +101,7 @@ COMMENTS = {
     "live.raw_audio.format": "s16le | s16be | s32le | f32le | f64le | u8; null: the input has a header",
     "live.raw_audio.rate": "its sample rate (Hz)",
     "live.raw_audio.channels": "its channel count",
+    "live.bearer_token_file": "WHIP: a file holding the endpoint's token, sent as `Authorization: Bearer <token>`",
 }
 
 WIDTH = 118  # the repository's line length

@@ -5,6 +5,7 @@
     -o out/live.m3u8        HLS: ~1 s segments beside the playlist, which is rewritten as each segment completes and
                             ends with EXT-X-ENDLIST when the session ends
     -o udp://host:port      MPEG-TS over UDP (also tcp://)
+    -o http://host/whip     WebRTC to a WHIP endpoint (also https://): H.264 and Opus, media/whip.py
 
 Everything goes through the FFmpeg inside PyAV's wheel (its muxers and protocols): no ffmpeg binary at run time.
 
@@ -32,7 +33,7 @@ from avatar_cli.media._files import reason
 from avatar_cli.media.pacing import FramePacer
 from avatar_cli.media.writer import Mp4Writer
 
-__all__ = ["LiveTarget", "live_target", "LiveWriter", "HLS_SEGMENT_S", "HLS_LIST_SIZE"]
+__all__ = ["LiveTarget", "live_target", "LiveWriter", "live_writer", "HLS_SEGMENT_S", "HLS_LIST_SIZE"]
 
 HLS_SEGMENT_S = 1  # seconds per segment: a keyframe every second lets the muxer cut exactly there
 HLS_LIST_SIZE = 6  # segments a rolling playlist names (players start ~3 segments from its live edge)
@@ -56,22 +57,29 @@ class LiveTarget:
 
     url: str
     format: str
-    options: dict[str, str] = field(default_factory=dict)
+    options: dict[str, str] = field(default_factory=dict, repr=False)  # repr=False: WHIP's hold its bearer token
 
     @property
     def kind(self) -> str:
-        return "stdout" if self.url == "-" else ("hls" if self.format == "hls" else urlsplit(self.url).scheme)
+        if self.url == "-":
+            return "stdout"
+        return self.format if self.format in ("hls", "whip") else urlsplit(self.url).scheme
 
 
-def live_target(output: str, *, keep_segments: bool = False) -> LiveTarget | None:
+def live_target(output: str, *, keep_segments: bool = False, bearer_token: str | None = None) -> LiveTarget | None:
     """The live target `output` names, or None when it names a file (an MP4 render).
 
     HLS keeps the newest HLS_LIST_SIZE segments on disk and in the playlist, deleting older ones, so a session of
     any length holds bounded disk; `keep_segments` keeps every segment and lists them all (an "event" playlist a
-    late viewer can seek back in, which grows with the session)."""
+    late viewer can seek back in, which grows with the session). An http(s) URL is a WHIP endpoint;
+    `bearer_token` goes in its `Authorization` header."""
     if output == "-":
         return LiveTarget("-", "mpegts", dict(MPEGTS_LOW_DELAY))
     scheme = urlsplit(output).scheme.lower()
+    if scheme in ("http", "https"):
+        # dtls_active: avatar starts the DTLS handshake rather than waiting for the server's (media/whip.py).
+        options = {"whip_flags": "dtls_active", **({"authorization": bearer_token} if bearer_token else {})}
+        return LiveTarget(output, "whip", options)
     if scheme in STREAM_SCHEMES:
         fmt = STREAM_SCHEMES[scheme]
         options = dict(MPEGTS_LOW_DELAY if fmt == "mpegts" else LOW_DELAY)
@@ -82,7 +90,7 @@ def live_target(output: str, *, keep_segments: bool = False) -> LiveTarget | Non
         return LiveTarget(output, fmt, options)
     if "://" in output:
         raise InputError(f"output: {output}: not a live target this build can write "
-                         f"(use -, rtmp://, rtmps://, udp://, tcp://, a .m3u8 path, or an .mp4 file)")
+                         f"(use -, rtmp://, rtmps://, udp://, tcp://, http(s):// for WHIP, a .m3u8 path, or an .mp4 file)")
     if output.lower().endswith(".m3u8"):
         folder = Path(output).parent
         options = {"hls_time": str(HLS_SEGMENT_S), "hls_segment_type": "mpegts",
@@ -158,3 +166,13 @@ class LiveWriter(Mp4Writer):
         if self.realtime:
             self.pacer.wait(self._frames_written)
         super()._encode_frame(rgb)
+
+
+def live_writer(target: LiveTarget, **kw) -> LiveWriter:
+    """The writer for `target`: a WHIP endpoint's builds on LiveWriter (media/whip.py, imported here for that
+    reason), every other target's is LiveWriter itself."""
+    if target.format == "whip":
+        from avatar_cli.media.whip import WhipWriter  # noqa: PLC0415 (whip.py imports this module)
+
+        return WhipWriter(target, **kw)
+    return LiveWriter(target, **kw)

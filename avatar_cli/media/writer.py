@@ -206,9 +206,7 @@ class Mp4Writer:
                 self._container.metadata[key] = value
             self._video = self._add_video(codec, crf, preset, threads)
             self._audio, self._feed = self._add_audio(audio_path) if audio_path is not None else (None, None)
-            # Open the encoders and write the header now: a bad output path or codec option
-            # fails here, in the caller's thread, not at the first frame.
-            self._container.start_encoding()
+            self._start()
         except BaseException as exc:
             if self._feed is not None:
                 self._feed.close()
@@ -236,6 +234,15 @@ class Mp4Writer:
     # x264's tune: None for files (best quality per bit); live outputs set "zerolatency" (no lookahead, no frame
     # threading delay), so each frame's packet leaves the encoder as soon as the frame goes in.
     x264_tune: str | None = None
+
+    # Input samples dropped under the audio encoder's priming (module docstring); an encoder with another delay
+    # (Opus) sets its own.
+    audio_priming: int = AAC_PRIMING
+
+    def _start(self) -> None:
+        """Open the encoders and write the header now: a bad output path or codec option fails here, in the
+        caller's thread, not at the first frame."""
+        self._container.start_encoding()
 
     def _open_container(self) -> av.container.OutputContainer:
         """The output container; subclasses open other targets (live streams) the same way."""
@@ -454,9 +461,9 @@ class Mp4Writer:
         if target <= self._audio_written:
             return
         if self._audio_written == 0:
-            self._feed.take(AAC_PRIMING)  # these input samples sit under the priming
-            self._audio_written = AAC_PRIMING
-            if target <= AAC_PRIMING:
+            self._feed.take(self.audio_priming)  # these input samples sit under the priming
+            self._audio_written = self.audio_priming
+            if target <= self.audio_priming:
                 return
         n = target - self._audio_written
         samples = self._feed.take(n)  # (C, n)
@@ -467,7 +474,8 @@ class Mp4Writer:
         af.pts = self._audio_written  # = input sample index (see module docstring)
         for packet in self._audio.encode(af):
             if packet.pts is not None and packet.pts < 0:
-                raise RenderError(f"video: {self.path}: AAC encoder priming is not {AAC_PRIMING} samples; audio would drift")
+                raise RenderError(f"video: {self.path}: {self._audio.codec_context.name} encoder priming is not "
+                                  f"{self.audio_priming} samples; audio would drift")
             self._container.mux(packet)
         self._audio_written = target
 

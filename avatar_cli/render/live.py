@@ -10,10 +10,10 @@ and the sinks differ (`Job.live`). What a session does that a render does not:
   plan grows as it arrives, and a chunk whose audio is `live.stall_s` past due on the session's clock renders on
   silence (pipeline/live.py). The output's audio track reads the same timeline, so it is the input with those silences
   inserted, in step with the video.
-- The frames go to a `LiveWriter` (media/live.py): MPEG-TS on stdout, FLV to RTMP, HLS, UDP/TCP; with `live.record`
-  also to a fragmented MP4. Frames leave on the frame clock (media/pacing.py: frame k at the first frame's time +
-  k / fps) for a live input, and with `live.realtime` (auto: for a live output) for a file, so a file into a live
-  output reaches the server as a stream, not a burst.
+- The frames go to a `LiveWriter` (media/live.py): MPEG-TS on stdout, FLV to RTMP, HLS, UDP/TCP, WebRTC to a WHIP
+  endpoint (media/whip.py); with `live.record` also to a fragmented MP4. Frames leave on the frame clock
+  (media/pacing.py: frame k at the first frame's time + k / fps) for a live input, and with `live.realtime` (auto:
+  for a live output) for a file, so a file into a live output reaches the server as a stream, not a burst.
 - There is no resume: a stream cannot be continued. A session that ends (its input ended, SIGINT, SIGTERM) finishes
   the chunk that is being published, drops the one being generated, and closes every output cleanly (an HLS
   playlist ends with EXT-X-ENDLIST, a recording is finalised).
@@ -39,9 +39,10 @@ import numpy as np
 
 from avatar_cli.job import ResolvedJob
 from avatar_cli.media.audio import AudioWindowReader
-from avatar_cli.media.live import LiveTarget, LiveWriter, live_target
+from avatar_cli.media.live import LiveTarget, live_target, live_writer
 from avatar_cli.media.live_audio import RawPCM, StreamAudio
 from avatar_cli.media.preview import Preview
+from avatar_cli.media.whip import read_bearer_token
 from avatar_cli.media.sink import FrameClock, Sink, now
 from avatar_cli.media.writer import Mp4Writer, resolve_codec
 from avatar_cli.pipeline.checkpoint import chain_digest
@@ -128,10 +129,17 @@ def _stdout_for_stream(main: bool, url: str | None) -> Iterator[int | None]:
         os.close(fd)
 
 
+def _target(p: ResolvedJob) -> LiveTarget | None:
+    """The job's live output (None: an MP4 file), with a WHIP endpoint's bearer token."""
+    live, token_file = p.job.spec.live, p.job.bearer_token_file
+    return live_target(str(p.job.output), keep_segments=live.hls_keep_segments,
+                       bearer_token=read_bearer_token(token_file) if token_file is not None else None)
+
+
 def _open_endpoints(p: ResolvedJob, job: Opened, reporter: Reporter, stdout_fd: int | None) -> Endpoints:
     """Open the input and the outputs before any model loads: a stream that does not answer fails first."""
     spec, live, rate = p.job.spec, p.job.spec.live, p.model.family.geometry.sample_rate
-    target = live_target(str(p.job.output), keep_segments=live.hls_keep_segments)
+    target = _target(p)
     streaming = is_stream_input(str(p.job.audio))
     # A live input into a live output is always on the frame clock (its chunk plan times its waits against it).
     ends = Endpoints(target is not None if live.realtime == "auto" or streaming else live.realtime, target)
@@ -153,8 +161,8 @@ def _open_endpoints(p: ResolvedJob, job: Opened, reporter: Reporter, stdout_fd: 
 
     if target is not None:
         stream = os.fdopen(stdout_fd, "wb", buffering=0, closefd=False) if stdout_fd is not None else None
-        ends.sinks.append(LiveWriter(target, realtime=ends.realtime, stdout=stream, audio_path=track("output"),
-                                     **common))
+        ends.sinks.append(live_writer(target, realtime=ends.realtime, stdout=stream, audio_path=track("output"),
+                                      **common))
     else:  # a live input into an MP4 file: written as a render writes it, renamed when the session ends
         ends.sinks.append(Mp4Writer(p.job.partial_output, total_frames=2**62, audio_path=track("output"), **common))
     if live.preview:
@@ -271,7 +279,7 @@ def _chunks(p: ResolvedJob, job: Opened, built: Built, ends: Endpoints, watch: W
 def run_session(p: ResolvedJob, reporter: Reporter, models: ModelCache | None = None) -> Summary:
     """Run a live session (module docstring) for a resolved job whose `Job.live` holds."""
     t_start = now()
-    target = live_target(str(p.job.output), keep_segments=p.job.spec.live.hls_keep_segments)
+    target = _target(p)
     with opened(p, reporter) as job:
         if job.main and target is not None and target.url == "-":
             reporter.off_stdout()

@@ -1,0 +1,163 @@
+"""WHIP out (avatar_cli/media/whip.py): WebRTC to a real peer on loopback, aiortc behind an HTTP server
+(tests/whip_endpoint.py), which receives the tracks; the tests count what it decoded and look for gaps."""
+
+import json
+import socket
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from avatar_cli.errors import InputError
+from avatar_cli.media import whip
+from avatar_cli.media.live import live_target, live_writer
+from avatar_cli.media.whip import OPUS_RATE, WhipWriter, _Opus48k
+from tests.conftest import avatar, write_wav
+from tests.test_live_output import FPS, SIZE, Tone, frames
+from tests.whip_endpoint import WhipPeer  # aiortc: the test extra
+
+FRAME_S = 1 / FPS
+
+
+def unused_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}/live/whip"
+
+
+def events(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+def check_stream(report: dict, frames_sent: int) -> None:
+    """The peer got both tracks, every frame but the last one or two (the hang-up), with no gap in either."""
+    assert sorted(report["kinds"]) == ["audio", "video"]
+    video = np.array(report["video_times"])
+    assert frames_sent - 2 <= len(video) <= frames_sent
+    assert np.allclose(np.diff(video), FRAME_S, atol=1e-3)  # consecutive frames: none lost, none repeated
+    audio = np.array(report["audio_times"])
+    assert report["audio_rate"] == OPUS_RATE and np.diff(audio).max() < 0.021  # 20-ms Opus frames, none missing
+    # The audio covers the video, but for the packets in flight at the hang-up.
+    assert abs(report["audio_samples"] / OPUS_RATE - frames_sent / FPS) < 0.15
+    assert report["audio_peak"] > 0.1  # sound, not silence
+
+
+def test_targets():
+    t = live_target("http://127.0.0.1:8889/live/whip", bearer_token="s3cret")
+    assert t.format == "whip" and t.kind == "whip" and t.options["authorization"] == "s3cret"
+    assert "s3cret" not in repr(t)  # the token stays out of logs
+    assert "authorization" not in live_target("https://example.com/whip").options
+    assert live_target("HTTPS://example.com/whip").format == "whip"
+
+
+def test_opus_feed_is_48k_stereo_in_exact_counts():
+    feed = _Opus48k(Tone())
+    counts = (312, 1920, 1921, 7, 4800)
+    pieces = [feed.take(n) for n in counts]
+    assert [p.shape for p in pieces] == [(2, n) for n in counts]
+    x = np.concatenate(pieces, axis=1)  # (2, n)
+    assert np.array_equal(x[0], x[1])  # mono, doubled
+    assert feed.feed.taken == x.shape[1] * 16000 // OPUS_RATE  # nothing taken ahead of what was handed out
+    spectrum = np.abs(np.fft.rfft(x[0, 480:480 + OPUS_RATE // 10]))
+    assert abs(np.argmax(spectrum) * 10 - 440) <= 10  # the tone, at its pitch
+
+
+def test_a_stream_reaches_the_peer_with_the_token_and_ends_with_delete():
+    with WhipPeer() as peer:
+        w = live_writer(live_target(peer.url, bearer_token="s3cret"), width=SIZE, height=SIZE, fps=FPS,
+                        audio_path=Tone(), realtime=True)
+        assert isinstance(w, WhipWriter)
+        w.put(frames(3 * FPS))
+        w.close()
+        time.sleep(0.3)  # the last packets' way to the peer
+        report = peer.report()
+    assert report["authorization"] == ["Bearer s3cret"]
+    assert report["deletes"] == ["/resource/1"]  # the relative Location, resolved against the POST URL
+    check_stream(report, 3 * FPS)
+
+
+def test_a_refused_offer_is_bad_input_naming_the_url():
+    with WhipPeer(refuse=403) as peer:
+        w = live_writer(live_target(peer.url), width=SIZE, height=SIZE, fps=FPS, audio_path=Tone())
+        with pytest.raises(InputError, match=f"output: {peer.url}: the WHIP endpoint refused the offer .*403"):
+            w.put(frames(FPS))
+            w.close()
+        assert peer.report()["offers"] == 1
+
+
+def test_an_endpoint_that_does_not_answer_is_bad_input(monkeypatch):
+    url = unused_url()  # nothing listens there
+    with pytest.raises(InputError, match=f"output: {url}: the WHIP endpoint does not answer"):
+        live_writer(live_target(url), width=SIZE, height=SIZE, fps=FPS, audio_path=Tone())
+    with socket.socket() as silent:  # listens, never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}/live/whip"
+        monkeypatch.setattr(whip, "ANSWER_TIMEOUT_S", 0.5)
+        with pytest.raises(InputError, match=f"output: {url}: the WHIP endpoint does not answer .*timed out"):
+            live_writer(live_target(url), width=SIZE, height=SIZE, fps=FPS, audio_path=Tone())
+    assert not [t for t in threading.enumerate() if t.name == "mp4-writer"]  # nothing left running
+
+
+# ---- sessions: `avatar render -o http://...` with the tiny model -------------------------------------------
+
+
+def test_a_session_into_whip(job_dir: Path):
+    (job_dir / "token").write_text("s3cret\n")
+    with WhipPeer() as peer:
+        r = avatar("render", str(job_dir / "job.yaml"), "-o", peer.url, "--json",
+                   f"live.bearer_token_file={job_dir / 'token'}")
+        assert r.returncode == 0, r.stderr
+        time.sleep(0.3)
+        report = peer.report()
+    done = events(r.stdout)[-1]
+    assert done["event"] == "done"
+    assert report["authorization"] == ["Bearer s3cret"] and report["deletes"] == ["/resource/1"]
+    check_stream(report, done["frames"])
+
+
+def test_session_bad_input_is_exit_2(job_dir: Path):
+    job = str(job_dir / "job.yaml")
+    missing = job_dir / "no_token"
+    r = avatar("render", job, "-o", unused_url(), f"live.bearer_token_file={missing}")
+    assert r.returncode == 2 and f"live.bearer_token_file: {missing}" in r.stderr
+    (job_dir / "empty").write_text(" \n")
+    r = avatar("render", job, "-o", unused_url(), f"live.bearer_token_file={job_dir / 'empty'}")
+    assert r.returncode == 2 and "is empty" in r.stderr
+    r = avatar("render", job, "-o", "out.mp4", f"live.bearer_token_file={job_dir / 'empty'}")
+    assert r.returncode == 2 and "live.bearer_token_file is for a WHIP output" in r.stderr
+    url = unused_url()
+    r = avatar("render", job, "-o", url)
+    assert r.returncode == 2 and f"output: {url}: the WHIP endpoint does not answer" in r.stderr
+    with WhipPeer(refuse=401) as peer:
+        r = avatar("render", job, "-o", peer.url)
+    assert r.returncode == 2 and f"output: {peer.url}: the WHIP endpoint refused the offer" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert not [t for t in threading.enumerate() if t.name == "mp4-writer"]  # nothing left running
+
+
+def test_an_endpoint_gone_mid_session_is_exit_1_with_a_playable_recording(job_dir: Path, tmp_path: Path):
+    """The endpoint's process dies a second in: the muxer's next packets are refused, the session ends with exit 1
+    naming the URL, and the recording plays."""
+    from tests.test_live_session import decode
+
+    write_wav(job_dir / "speech.wav", 8.0)
+    record = tmp_path / "rec.mp4"
+    with WhipPeer() as peer:
+        def hang_up():
+            deadline = time.monotonic() + 60
+            while len(peer.report()["video_times"]) < FPS and time.monotonic() < deadline:
+                time.sleep(0.1)
+            peer.gone()
+
+        killer = threading.Thread(target=hang_up, daemon=True)
+        killer.start()
+        r = avatar("render", str(job_dir / "job.yaml"), "-o", peer.url, "--json", f"live.record={record}")
+        killer.join(10)
+    assert r.returncode == 1, r.stderr
+    assert f"output: {peer.url}: the WHIP endpoint went away" in r.stderr and "Traceback" not in r.stderr
+    published = max(e["published"] for e in events(r.stdout) if e["event"] == "chunk")
+    assert FPS <= published < 8 * FPS  # ended early, after the hang-up
+    assert decode(record, fmt=None)[0] >= FPS  # the recording is finished and plays
