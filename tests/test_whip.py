@@ -12,7 +12,8 @@ import pytest
 
 from avatar_cli.errors import InputError
 from avatar_cli.media import whip
-from avatar_cli.media.live import live_target, live_writer
+from avatar_cli.media.live import live_target
+from avatar_cli.media.whip import live_writer
 from avatar_cli.media.whip import OPUS_RATE, WhipWriter, _Opus48k
 from tests.conftest import avatar, write_wav
 from tests.test_live_output import FPS, SIZE, Tone, frames

@@ -33,7 +33,7 @@ from avatar_cli.media._files import reason
 from avatar_cli.media.pacing import FramePacer
 from avatar_cli.media.writer import Mp4Writer
 
-__all__ = ["LiveTarget", "live_target", "LiveWriter", "live_writer", "HLS_SEGMENT_S", "HLS_LIST_SIZE"]
+__all__ = ["LiveTarget", "live_target", "LiveWriter", "HLS_SEGMENT_S", "HLS_LIST_SIZE"]
 
 HLS_SEGMENT_S = 1  # seconds per segment: a keyframe every second lets the muxer cut exactly there
 HLS_LIST_SIZE = 6  # segments a rolling playlist names (players start ~3 segments from its live edge)
@@ -167,12 +167,3 @@ class LiveWriter(Mp4Writer):
             self.pacer.wait(self._frames_written)
         super()._encode_frame(rgb)
 
-
-def live_writer(target: LiveTarget, **kw) -> LiveWriter:
-    """The writer for `target`: a WHIP endpoint's builds on LiveWriter (media/whip.py, imported here for that
-    reason), every other target's is LiveWriter itself."""
-    if target.format == "whip":
-        from avatar_cli.media.whip import WhipWriter  # noqa: PLC0415 (whip.py imports this module)
-
-        return WhipWriter(target, **kw)
-    return LiveWriter(target, **kw)

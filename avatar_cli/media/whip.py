@@ -40,7 +40,7 @@ from avatar_cli.media._files import reason
 from avatar_cli.media.live import LiveTarget, LiveWriter
 from avatar_cli.media.writer import AudioFeed
 
-__all__ = ["WhipWriter", "read_bearer_token", "check_available", "is_whip_output", "OPUS_RATE"]
+__all__ = ["WhipWriter", "live_writer", "read_bearer_token", "check_available", "is_whip_output", "OPUS_RATE"]
 
 OPUS_RATE = 48000  # the muxer's Opus: 48 kHz stereo only
 OPUS_PRIMING = 312  # libopus's encoder delay at 48 kHz (its initial_padding), dropped as AAC's priming is
@@ -236,3 +236,9 @@ class WhipWriter(LiveWriter):
             self._container.close()
         finally:
             self._certs.cleanup()
+
+
+def live_writer(target: LiveTarget, **kw) -> LiveWriter:
+    """The writer for a live `target`: a WHIP endpoint's (WhipWriter, which builds on LiveWriter), or LiveWriter
+    itself for every other target. Here, not in media/live.py, so that imports run one way (whip -> live)."""
+    return WhipWriter(target, **kw) if target.format == "whip" else LiveWriter(target, **kw)

@@ -39,11 +39,11 @@ import numpy as np
 
 from avatar_cli.job import ResolvedJob
 from avatar_cli.media.audio import AudioWindowReader
-from avatar_cli.media.live import LiveTarget, live_target, live_writer
+from avatar_cli.media.live import LiveTarget, live_target
 from avatar_cli.media.live_audio import RawPCM, StreamAudio
 from avatar_cli.media.preview import Preview
-from avatar_cli.media.whip import read_bearer_token
 from avatar_cli.media.sink import FrameClock, Sink, now
+from avatar_cli.media.whip import live_writer, read_bearer_token
 from avatar_cli.media.writer import Mp4Writer, resolve_codec
 from avatar_cli.pipeline.checkpoint import chain_digest
 from avatar_cli.pipeline.events import (ChunkDone, LatencyWarning, LiveChunk, PreviewEvent, Ready, SlowWarning,
