@@ -91,7 +91,7 @@ def _start_point(p: ResolvedJob, job: Opened, fingerprint: dict[str, str], repor
 
 
 def _writer(p: ResolvedJob, job: Opened, built: Built, start: Continue, fingerprint: dict[str, str],
-            reporter: Reporter) -> tuple[Publisher, DecodeWorker | None]:
+            copies, reporter: Reporter) -> tuple[Publisher, DecodeWorker | None]:
     """Where the final latents go: on rank 0 the MP4 writer, fed inline or by a decode worker; a rank other than 0
     computes but writes nothing (and decodes only what the family's later chunks need)."""
     spec, pipeline = p.job.spec, built.pipeline
@@ -102,7 +102,6 @@ def _writer(p: ResolvedJob, job: Opened, built: Built, start: Continue, fingerpr
                 crf=spec.video.crf, preset=spec.video.preset, metadata={"comment": output_tag(fingerprint)},
                 resume_from=start.source, resume_frames=start.copy_to, first_put=start.first_put)
     if p.decode == Decode.worker:  # it decodes and owns the MP4 writer; its startup overlaps the first chunk
-        copies = ckpt.resume_schedule(p.model.family.resume_bytes(p.gen_size, spec.sampling.steps))
         worker = DecodeWorker(p.model, job.runtime, job.dist.world_size, str(p.job.partial_output), args, p.size,
                               resume_at=copies, vae_dtype=spec.runtime.vae_dtype.value)
         reporter.info(f"decode: worker ({p.decode_why}), pid {worker.pid} on {worker.device}")
@@ -119,7 +118,7 @@ def _render(p: ResolvedJob, job: Opened, built: Built, start: Continue, fingerpr
     chunks = pipeline.schedule(spec, job.frames)
     # The blocks after which a resume point's state is copied where it is not at hand (pipeline/checkpoint.py).
     copies = ckpt.resume_schedule(p.model.family.resume_bytes(p.gen_size, spec.sampling.steps))
-    out, worker = _writer(p, job, built, start, fingerprint, reporter)
+    out, worker = _writer(p, job, built, start, fingerprint, copies, reporter)
     saver = ckpt.CheckpointWriter(partial, start.checkpoint)
     reader = AudioWindowReader(p.job.audio, sample_rate=p.model.family.geometry.sample_rate, info=p.audio)
     reporter.start(output=str(p.job.output), frames=job.frames, chunks=len(chunks), fps=spec.video.fps)

@@ -136,10 +136,11 @@ def _target(p: ResolvedJob) -> LiveTarget | None:
                        bearer_token=read_bearer_token(token_file) if token_file is not None else None)
 
 
-def _open_endpoints(p: ResolvedJob, job: Opened, reporter: Reporter, stdout_fd: int | None) -> Endpoints:
-    """Open the input and the outputs before any model loads: a stream that does not answer fails first."""
+def _open_endpoints(p: ResolvedJob, job: Opened, reporter: Reporter, target: LiveTarget | None,
+                    stdout_fd: int | None) -> Endpoints:
+    """Open the input and the outputs (`target`: the live one, None for an MP4 file) before any model loads: a
+    stream that does not answer fails first."""
     spec, live, rate = p.job.spec, p.job.spec.live, p.model.family.geometry.sample_rate
-    target = _target(p)
     streaming = is_stream_input(str(p.job.audio))
     # A live input into a live output is always on the frame clock (its chunk plan times its waits against it).
     ends = Endpoints(target is not None if live.realtime == "auto" or streaming else live.realtime, target)
@@ -284,7 +285,7 @@ def run_session(p: ResolvedJob, reporter: Reporter, models: ModelCache | None = 
         if job.main and target is not None and target.url == "-":
             reporter.off_stdout()
         with _stdout_for_stream(job.main, target.url if target is not None else None) as stdout_fd:
-            ends = _open_endpoints(p, job, reporter, stdout_fd)
+            ends = _open_endpoints(p, job, reporter, target, stdout_fd)
             try:
                 built = build(p, job, reporter, models)
                 return _run(p, job, built, ends, reporter, t_start)

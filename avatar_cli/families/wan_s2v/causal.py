@@ -302,6 +302,26 @@ def _beside(x: torch.Tensor, ring: torch.Tensor) -> torch.Tensor:
     return x.to(ring.device).pin_memory() if ring.is_pinned() else x.to(ring.device)
 
 
+def _check_caches(p: WanDiTParams, caches: CausalCaches, step: int, L: int, lat_h: int, lat_w: int,
+                  exchange: HeadExchange | None) -> None:
+    """ValueError naming what does not fit: the caches' heads against this rank's, an empty or mis-sized sink, a
+    block of L tokens that does not tile the ring, a step the caches do not hold."""
+    heads = _heads(p, exchange)
+    if caches.k.shape[3] != heads.stop - heads.start:
+        raise ValueError(f"causal_forward: the caches hold {caches.k.shape[3]} heads, this rank attends with "
+                         f"{heads.stop - heads.start} of the model's {p.num_heads}")
+    if caches.sink_k.shape[1] == 0:
+        raise ValueError("causal_forward: the sink is empty (call prefill_sink first)")
+    if caches.sink_k.shape[1] != sink_tokens(p, lat_h, lat_w):
+        raise ValueError(f"causal_forward: the sink holds {caches.sink_k.shape[1]} tokens, a {lat_h}x{lat_w} latent "
+                         f"has {sink_tokens(p, lat_h, lat_w)}")
+    if caches.ring_tokens % L:
+        raise ValueError(f"causal_forward: a block of {L} tokens does not tile the ring of {caches.ring_tokens} "
+                         "tokens")
+    if not 0 <= step < caches.steps:
+        raise ValueError(f"causal_forward: step {step} outside the caches' {caches.steps} steps")
+
+
 @torch.no_grad()
 def causal_forward(model: WanS2VDiT, caches: CausalCaches, step: int, x: torch.Tensor, t: torch.Tensor,
                    block_index: int, inputs: BlockInputs, sink_offset: int,
@@ -321,19 +341,7 @@ def causal_forward(model: WanS2VDiT, caches: CausalCaches, step: int, x: torch.T
     P = frame_tokens(p, lat_h, lat_w)
     L = frames * P
     ring = caches.ring_tokens
-    heads = _heads(p, exchange)
-    if caches.k.shape[3] != heads.stop - heads.start:
-        raise ValueError(f"causal_forward: the caches hold {caches.k.shape[3]} heads, this rank attends with "
-                         f"{heads.stop - heads.start} of the model's {p.num_heads}")
-    if caches.sink_k.shape[1] == 0:
-        raise ValueError("causal_forward: the sink is empty (call prefill_sink first)")
-    if caches.sink_k.shape[1] != sink_tokens(p, lat_h, lat_w):
-        raise ValueError(f"causal_forward: the sink holds {caches.sink_k.shape[1]} tokens, a {lat_h}x{lat_w} latent "
-                         f"has {sink_tokens(p, lat_h, lat_w)}")
-    if ring % L:
-        raise ValueError(f"causal_forward: a block of {L} tokens does not tile the ring of {ring} tokens")
-    if not 0 <= step < caches.steps:
-        raise ValueError(f"causal_forward: step {step} outside the caches' {caches.steps} steps")
+    _check_caches(p, caches, step, L, lat_h, lat_w, exchange)
     first = block_index * frames  # absolute latent frame of the block's first frame
     start = first * P
     slot = start % ring  # their current_start, folded once it passes the ring
