@@ -115,6 +115,22 @@ def test_hls_playlist_is_live_then_ended(tmp_path: Path):
         assert sum(1 for _ in c.decode(video=0)) == 3 * FPS + 2
 
 
+def test_hls_half_second_segments_cut_on_their_own_keyframes(tmp_path: Path):
+    """live.hls_segment_s 0.5 at 25 fps: a keyframe every 13 frames (0.5 s rounded up to whole frames, so the
+    muxer's cut is never short of hls_time), and a segment at each."""
+    playlist = tmp_path / "live.m3u8"
+    target = live_target(str(playlist), hls_segment_s=0.5)
+    assert target.options["hls_time"] == "0.5" and target.keyframe_frames(FPS) == 13
+    write(target, 2 * FPS)
+    durations = [float(line.split(":")[1].rstrip(",")) for line in playlist.read_text().splitlines()
+                 if line.startswith("#EXTINF")]
+    assert durations[:3] == [0.52, 0.52, 0.52] and sum(durations) == pytest.approx(2, abs=0.05)
+    with av.open(str(playlist)) as c:
+        keys = [i for i, p in enumerate(sorted((p for p in c.demux(video=0) if p.size), key=lambda p: p.pts))
+                if p.is_keyframe]
+    assert keys == [0, 13, 26, 39]
+
+
 @pytest.mark.parametrize("keep", [False, True])
 def test_hls_old_segments_deleted_or_kept(tmp_path: Path, keep: bool):
     playlist = tmp_path / "live.m3u8"
