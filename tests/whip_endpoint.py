@@ -2,6 +2,10 @@
 process of its own (`WhipPeer` starts it): PyAV holds the GIL while its muxer posts the offer and shakes hands, so an
 endpoint in the muxer's process would never get to answer.
 
+aiortc's ICE checks consent (RFC 7675) as a strict peer does: a binding request every CONSENT_INTERVAL seconds, and
+the session dropped after CONSENT_FAILURES unanswered in a row (30 s by default). `consent_s` shortens that expiry
+for a test, in the endpoint's process.
+
 POST an SDP offer to `url`: the endpoint answers as an ingest server does (201 Created, the answer, a `Location`
 header naming the session's resource, relative as servers usually give it) and receives the tracks: every decoded
 video frame and audio frame is counted, with its timestamp, so a test can check counts and gaps. DELETE to the
@@ -46,6 +50,7 @@ class Received:
     audio_rate: int = 0
     audio_peak: float = 0.0  # the largest sample seen: speech, not silence
     kinds: list[str] = field(default_factory=list)
+    states: list[str] = field(default_factory=list)  # the peer connection's states, in order
 
 
 class WhipEndpoint:
@@ -120,6 +125,7 @@ class WhipEndpoint:
 
         @pc.on("connectionstatechange")
         async def on_state() -> None:
+            self.received.states.append(pc.connectionState)
             if pc.connectionState == "connected":
                 self._widen_buffers(pc)
                 self.connected.set()
@@ -179,12 +185,14 @@ class WhipEndpoint:
         return dict(url=self.url, offers=len(self.offers), authorization=self.authorization, deletes=self.deletes,
                     connected=self.connected.is_set(), kinds=r.kinds, video_times=r.video_times,
                     audio_times=r.audio_times, audio_samples=r.audio_samples, audio_rate=r.audio_rate,
-                    audio_peak=r.audio_peak)
+                    audio_peak=r.audio_peak, states=r.states)
 
 
-def serve(refuse: int | None) -> None:
+def serve(refuse: int | None, consent_s: float | None) -> None:
     """The endpoint's process: prints its URL, then answers `report` on stdin with a JSON line of what it
-    received; at the end of stdin it closes."""
+    received; at the end of stdin it closes. `consent_s`: the peer's consent expires after this long unanswered."""
+    if consent_s is not None:
+        aioice.ice.CONSENT_INTERVAL = consent_s / aioice.ice.CONSENT_FAILURES
     endpoint = WhipEndpoint(refuse)
     print(endpoint.url, flush=True)
     for line in sys.stdin:
@@ -196,8 +204,8 @@ def serve(refuse: int | None) -> None:
 class WhipPeer:
     """The endpoint in a process of its own: `url`, `report()` (what it received so far), `gone()`, `close()`."""
 
-    def __init__(self, refuse: int | None = None):
-        args = [] if refuse is None else [str(refuse)]
+    def __init__(self, refuse: int | None = None, consent_s: float | None = None):
+        args = [str(refuse), str(consent_s)]
         self.proc = subprocess.Popen([sys.executable, __file__, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      text=True)
         self.url = self.proc.stdout.readline().strip()
@@ -231,4 +239,4 @@ class WhipPeer:
 
 
 if __name__ == "__main__":
-    serve(int(sys.argv[1]) if len(sys.argv) > 1 else None)
+    serve(None if sys.argv[1] == "None" else int(sys.argv[1]), None if sys.argv[2] == "None" else float(sys.argv[2]))

@@ -7,7 +7,8 @@
     -o udp://host:port      MPEG-TS over UDP (also tcp://)
     -o http://host/whip     WebRTC to a WHIP endpoint (also https://): H.264 and Opus, media/whip.py
 
-Everything goes through the FFmpeg inside PyAV's wheel (its muxers and protocols): no ffmpeg binary at run time.
+Everything goes through the FFmpeg inside PyAV's wheel (its muxers and protocols), but WHIP, whose packets aiortc
+sends: no ffmpeg binary at run time.
 
 The encoder is the file writer's (`Mp4Writer`: same colour settings, same AAC priming rule, same back-pressure),
 with the settings a live stream needs: a keyframe every second, or every HLS segment (where HLS cuts segments and
@@ -86,9 +87,7 @@ def live_target(output: str, *, keep_segments: bool = False, bearer_token: str |
         return LiveTarget("-", "mpegts", dict(MPEGTS_LOW_DELAY))
     scheme = urlsplit(output).scheme.lower()
     if scheme in ("http", "https"):
-        # dtls_active: avatar starts the DTLS handshake rather than waiting for the server's (media/whip.py).
-        options = {"whip_flags": "dtls_active", **({"authorization": bearer_token} if bearer_token else {})}
-        return LiveTarget(output, "whip", options)
+        return LiveTarget(output, "whip", {"authorization": bearer_token} if bearer_token else {})
     if scheme in STREAM_SCHEMES:
         fmt = STREAM_SCHEMES[scheme]
         options = dict(MPEGTS_LOW_DELAY if fmt == "mpegts" else LOW_DELAY)
