@@ -3,8 +3,8 @@ process of its own (`WhipPeer` starts it): PyAV holds the GIL while its muxer po
 endpoint in the muxer's process would never get to answer.
 
 aiortc's ICE checks consent (RFC 7675) as a strict peer does: a binding request every CONSENT_INTERVAL seconds, and
-the session dropped after CONSENT_FAILURES unanswered in a row (30 s by default). `consent_s` shortens that expiry
-for a test, in the endpoint's process.
+the session dropped after CONSENT_FAILURES unanswered in a row (about 30 s by default). `consent_s` shortens that
+expiry to about that many seconds, in the endpoint's process.
 
 POST an SDP offer to `url`: the endpoint answers as an ingest server does (201 Created, the answer, a `Location`
 header naming the session's resource, relative as servers usually give it) and receives the tracks: every decoded
@@ -28,9 +28,11 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import aioice.ice
+import aioice.stun
 from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError
 
+CONSENT_RTO = 0.1  # seconds a consent check waits for its answer, with consent_s (aioice's default: 0.5)
 RECEIVE_BUFFER = 8 << 20  # bytes: a burst of RTP at the kernel's default buffer loses packets on a busy machine
 
 _host_addresses = aioice.ice.get_host_addresses
@@ -191,8 +193,9 @@ class WhipEndpoint:
 def serve(refuse: int | None, consent_s: float | None) -> None:
     """The endpoint's process: prints its URL, then answers `report` on stdin with a JSON line of what it
     received; at the end of stdin it closes. `consent_s`: the peer's consent expires after this long unanswered."""
-    if consent_s is not None:
-        aioice.ice.CONSENT_INTERVAL = consent_s / aioice.ice.CONSENT_FAILURES
+    if consent_s is not None:  # each check waits one STUN timeout for its answer: short on loopback
+        aioice.stun.RETRY_RTO = CONSENT_RTO
+        aioice.ice.CONSENT_INTERVAL = consent_s / aioice.ice.CONSENT_FAILURES - CONSENT_RTO
     endpoint = WhipEndpoint(refuse)
     print(endpoint.url, flush=True)
     for line in sys.stdin:
