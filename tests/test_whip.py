@@ -82,7 +82,7 @@ def test_a_stream_reaches_the_peer_with_the_token_and_ends_with_delete():
 
 def test_a_session_past_the_consent_expiry_stays_up():
     """A strict peer checks consent (RFC 7675) and drops a sender that does not answer: here it would after 2 s,
-    and the stream runs 5 s (FFmpeg's whip muxer, which answers no consent check, was dropped at 2 s)."""
+    and the stream runs 5 s (FFmpeg's whip muxer, which answers no consent check, is dropped by then)."""
     seconds = 5
     with WhipPeer(consent_s=2.0) as peer:
         w = live_writer(live_target(peer.url), width=SIZE, height=SIZE, fps=FPS, audio_path=Tone(), realtime=True)
