@@ -13,7 +13,9 @@ the output notes when each video frame reached it:
 - rtmp: a PyAV RTMP listener (`listen=1`) in a process of its own stands for the server, reading as a low-delay
   player does (the smallest probe, `probesize` 32 and `analyzeduration` 0, so the packets it reads while probing
   are handed on at once; `fflags nobuffer` would drop them instead); each video packet is timed as it is demuxed;
-- hls: the playlist is polled every 20 ms; a segment's frames arrive when the playlist first lists the segment.
+- hls: the playlist is polled every 20 ms; a segment's frames arrive when the playlist first lists the segment;
+- whip: the tests' WHIP endpoint (tests/whip_endpoint.py, an aiortc peer in a process of its own)
+  notes when each video frame is decoded (the monotonic clock is the machine's, the same in both processes).
 
 A frame is known by its timestamp (pts * fps), not by its place among the packets read, so a reader that misses
 frames (a probe that drops them) cannot shift the later ones' latencies; frames that never arrived are counted.
@@ -50,6 +52,8 @@ import av
 
 from machine import describe
 from run import ROOT, WORK, looped_speech, sample_process
+
+sys.path.insert(0, str(ROOT))  # tests/whip_endpoint.py, the WHIP reader
 
 PIECE_S = 0.02
 POLL_S = 0.02
@@ -138,10 +142,15 @@ class _Reader:
     `arrivals(fps)` afterwards: {frame index: when the reader had it}."""
 
     def __init__(self, output: str):
-        self.output, self.reads, self.hls, self.listener = output, [], None, None
+        self.output, self.reads, self.hls, self.listener, self.peer = output, [], None, None, None
         self.times_file = WORK / "rtmp_times.json"
         if output == "stdout":
             self.target = "-"
+        elif output == "whip":
+            from tests.whip_endpoint import WhipPeer  # noqa: PLC0415 (aiortc: the whip extra)
+
+            self.peer = WhipPeer()
+            self.target = self.peer.url
         elif output == "rtmp":
             self.target = f"rtmp://127.0.0.1:{_free_port()}/live/k"
             self.times_file.unlink(missing_ok=True)
@@ -179,6 +188,11 @@ class _Reader:
                 packets = [(float(p.pts * p.time_base), p.pos) for p in c.demux(video=0)
                            if p.size and p.pts is not None and p.pos is not None and p.pos >= 0]
             return _by_frame([(pts, self.reads[bisect.bisect_right(ends, pos)][1]) for pts, pos in packets], fps)
+        if self.output == "whip":
+            time.sleep(0.5)  # the last packets' way to the peer
+            report = self.peer.report()
+            self.peer.close()
+            return _by_frame(list(zip(report["video_times"], report["video_arrivals"])), fps)
         if self.output == "rtmp":
             self.listener.join(60)
             return _by_frame(json.loads(self.times_file.read_text()), fps, origin=0.0)
@@ -285,7 +299,8 @@ def outputs_only(seconds: float, output: str, hls_segment_s: float | None = None
     arrival at the reader less its put. The frames are a moving gradient, about as costly to encode as a face."""
     import numpy as np  # noqa: PLC0415
 
-    from avatar_cli.media.live import LiveWriter, live_target  # noqa: PLC0415
+    from avatar_cli.media.live import live_target  # noqa: PLC0415
+    from avatar_cli.media.whip import live_writer  # noqa: PLC0415
 
     class Tone:  # an AudioFeed: the track's cost, without a file
         rate, channels, taken = 16000, 1, 0
@@ -306,8 +321,8 @@ def outputs_only(seconds: float, output: str, hls_segment_s: float | None = None
         reader.drain(r)
         stdout = os.fdopen(w, "wb", buffering=0)
     kw = {} if hls_segment_s is None else {"hls_segment_s": hls_segment_s}
-    writer = LiveWriter(live_target(reader.target, **kw), width=size, height=size, fps=fps, audio_path=Tone(),
-                        realtime=True, stdout=stdout)
+    writer = live_writer(live_target(reader.target, **kw), width=size, height=size, fps=fps, audio_path=Tone(),
+                         realtime=True, stdout=stdout)
     yy, xx = np.mgrid[0:size, 0:size]
     base = np.stack([(xx + yy) % 256, xx % 256, yy % 256], -1).astype(np.uint8)  # (H, W, 3)
     reader.start()
@@ -340,7 +355,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, nargs="+", default=None, help="session lengths (default 60; 20 with "
                                                                             "--outputs-only)")
-    ap.add_argument("--outputs", nargs="+", default=["stdout", "rtmp", "hls"], choices=["stdout", "rtmp", "hls"])
+    ap.add_argument("--outputs", nargs="+", default=["stdout", "rtmp", "hls"],
+                    choices=["stdout", "rtmp", "hls", "whip"])
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="job overrides for every session")
     ap.add_argument("--outputs-only", action="store_true", help="no model: frames into a LiveWriter at their time")
     ap.add_argument("--hls-segment-s", type=float, default=None, help="with --outputs-only: HLS segment length")
@@ -395,7 +411,8 @@ def main() -> None:
         f"Command: `python bench/live_latency.py{flags} --seconds {' '.join(f'{s:g}' for s in seconds)} --outputs "
         f"{' '.join(args.outputs)}{sets}`: {what}. Readers: stdout, the pipe's read that brought a frame's bytes; "
         "rtmp, demuxed by a PyAV listener reading as a low-delay player (probesize 32, analyzeduration 0); hls, its "
-        "segment first listed in the playlist, polled every 20 ms. Frames are known by their timestamps.", "",
+        "segment first listed in the playlist, polled every 20 ms; whip, decoded by the tests' aiortc endpoint. "
+        "Frames are known by their timestamps.", "",
         *rows, ""])
     print(text)
     if args.append:

@@ -24,6 +24,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -47,6 +48,7 @@ class Received:
     """What the endpoint received: per decoded frame its timestamp in seconds; audio as sample counts."""
 
     video_times: list[float] = field(default_factory=list)
+    video_arrivals: list[float] = field(default_factory=list)  # time.monotonic() as each frame was decoded
     audio_times: list[float] = field(default_factory=list)
     audio_samples: int = 0
     audio_rate: int = 0
@@ -154,6 +156,7 @@ class WhipEndpoint:
                 return
             if track.kind == "video":
                 r.video_times.append(float(frame.time))
+                r.video_arrivals.append(time.monotonic())
             else:
                 r.audio_times.append(float(frame.time))
                 r.audio_samples += frame.samples
@@ -186,6 +189,7 @@ class WhipEndpoint:
         r = self.received
         return dict(url=self.url, offers=len(self.offers), authorization=self.authorization, deletes=self.deletes,
                     connected=self.connected.is_set(), kinds=r.kinds, video_times=r.video_times,
+                    video_arrivals=r.video_arrivals,
                     audio_times=r.audio_times, audio_samples=r.audio_samples, audio_rate=r.audio_rate,
                     audio_peak=r.audio_peak, states=r.states)
 
