@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from avatar_cli.errors import InputError
+from avatar_cli.errors import InputError, RenderError
 from avatar_cli.media import whip_peer
 from avatar_cli.media.live import live_target
 from avatar_cli.media.whip import live_writer
@@ -113,6 +113,22 @@ def test_close_is_bounded_when_the_endpoint_stops_answering(monkeypatch):
         finally:
             peer.proc.send_signal(signal.SIGCONT)
     assert took < 2.0 + 1.0 + 2.0  # the drain, the bound, and the frames still to pace
+    assert not [t for t in threading.enumerate() if t.name in ("mp4-writer", "whip-peer")]
+
+
+def test_an_endpoint_that_hangs_up_is_gone_and_close_returns():
+    """The endpoint closes the connection mid-stream (gracefully: DTLS close_notify): the writer says it went away,
+    and closing does not wait on it."""
+    with WhipPeer() as peer:
+        w = live_writer(live_target(peer.url), width=SIZE, height=SIZE, fps=FPS, audio_path=Tone(), realtime=True)
+        w.put(frames(FPS // 2))
+        while len(peer.report()["video_times"]) < FPS // 4:
+            time.sleep(0.05)
+        peer.hang_up()
+        with pytest.raises(RenderError, match=f"output: {peer.url}: the WHIP endpoint went away .*closed"):
+            w.put(frames(3 * FPS))
+            w.close()
+        w.abort()
     assert not [t for t in threading.enumerate() if t.name in ("mp4-writer", "whip-peer")]
 
 

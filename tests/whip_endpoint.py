@@ -205,11 +205,15 @@ def serve(refuse: int | None, consent_s: float | None) -> None:
     for line in sys.stdin:
         if line.strip() == "report":
             print(json.dumps(endpoint.report()), flush=True)
+        elif line.strip() == "hang up":  # close the peer connections (DTLS close_notify), keep serving HTTP
+            asyncio.run_coroutine_threadsafe(endpoint._close_peers(), endpoint._loop).result(30)
+            print(json.dumps({}), flush=True)
     endpoint.close()
 
 
 class WhipPeer:
-    """The endpoint in a process of its own: `url`, `report()` (what it received so far), `gone()`, `close()`."""
+    """The endpoint in a process of its own: `url`, `report()` (what it received so far), `hang_up()`, `gone()`,
+    `close()`."""
 
     def __init__(self, refuse: int | None = None, consent_s: float | None = None):
         args = [str(refuse), str(consent_s)]
@@ -225,6 +229,10 @@ class WhipPeer:
 
     def report(self) -> dict:
         return self._ask("report")
+
+    def hang_up(self) -> None:
+        """The endpoint closes the session gracefully, as a server whose operator ends the stream."""
+        self._ask("hang up")
 
     def gone(self) -> None:
         """The endpoint's process dies, as a server that crashes: every socket it held closes."""
