@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from avatar_cli.errors import InputError, RenderError
-from avatar_cli.media import whip_peer
+from avatar_cli.media import whip, whip_peer
 from avatar_cli.media.live import live_target
 from avatar_cli.media.whip import live_writer
 from avatar_cli.media.whip import OPUS_RATE, WhipWriter, _Opus48k
@@ -130,6 +130,30 @@ def test_an_endpoint_that_hangs_up_is_gone_and_close_returns():
             w.close()
         w.abort()
     assert not [t for t in threading.enumerate() if t.name in ("mp4-writer", "whip-peer")]
+
+
+def test_the_handshake_does_not_stay_in_the_frames_latency(monkeypatch):
+    """The frame clock starts with the first frame, before the handshake (here one of 5 s on a fake clock): the
+    frames that waited for it leave at once after it, instead of every frame leaving 5 s after its time."""
+    from avatar_cli.media.pacing import FramePacer
+    from tests.test_live_output import FakeClock
+
+    clock = FakeClock()
+    connect = whip._PeerOutput.start_encoding
+
+    def slow_handshake(self):
+        connect(self)
+        clock.t += 5.0
+
+    monkeypatch.setattr(whip._PeerOutput, "start_encoding", slow_handshake)
+    with WhipPeer() as peer:
+        pacer = FramePacer(FPS, now=clock.now, sleep=clock.sleep)
+        w = live_writer(live_target(peer.url), width=SIZE, height=SIZE, fps=FPS, audio_path=Tone(), realtime=True,
+                        pacer=pacer)
+        w.put(frames(FPS))
+        w.close()
+    assert pacer.first == 100.0  # the clock started with frame 0, not after the handshake
+    assert clock.t == pytest.approx(105.0)  # every frame was due before the handshake ended: none waited after it
 
 
 def test_a_refused_offer_is_bad_input_naming_the_url():

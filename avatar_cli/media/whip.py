@@ -201,6 +201,8 @@ class WhipWriter(LiveWriter):
 
     def _encode_frame(self, rgb) -> None:
         if not self._connected:
+            if self.realtime:  # the frame clock starts with the first frame, not after the handshake: else the
+                self.pacer.wait(self._frames_written)  # handshake's time would stay in every frame's latency
             self._connect()
         super()._encode_frame(rgb)
 
