@@ -25,6 +25,7 @@ peer runs on an asyncio loop in a thread of its own, and every wait on it has a 
 
 from __future__ import annotations
 
+import os
 from fractions import Fraction
 from pathlib import Path
 
@@ -116,7 +117,7 @@ class _PeerOutput:
 
     def __init__(self, url: str, token: str | None):
         self.url, self.token = url, token
-        self.null = av.open("/dev/null", "w", format="null")
+        self.null = av.open(os.devnull, "w", format="null")
         self.session = None  # whip_peer.PeerSession, once connected
 
     def add_stream(self, *args, **kw):
