@@ -86,7 +86,7 @@ def _dit_params(folder: Path) -> SwiftVRParams:
         raise InputError(f"swiftvr: {cfg_path}: not a readable config ({e})") from None
     cls = cfg.get("_class_name")
     if cls in _OTHER_CLASSES or "model_type" in cfg:
-        kind = _OTHER_CLASSES.get(cls) or f"an official Wan2.x '{cfg.get('model_type')}' checkpoint"
+        kind = f"an official Wan2.x '{cfg['model_type']}' checkpoint" if "model_type" in cfg else _OTHER_CLASSES[cls]
         raise InputError(f"swiftvr: {cfg_path}: {kind}, not the SwiftVR transformer ({adapter.DIT_CLASS})")
     if cls is not None and cls != adapter.DIT_CLASS:
         raise InputError(f"swiftvr: {cfg_path}: _class_name {cls!r}, not the SwiftVR transformer "
