@@ -25,7 +25,10 @@ dropped. The result is the official output of the padded clip, cut to the frames
 clip past a chunk boundary (22 to 24 frames left become 25): the official chunking of the padded clip then runs a
 further MIDDLE (or FIRST) and a LAST of one frame, as `build_chunk_specs` does.
 
-Only `dit_overlap=0` is offered: the official overlap path (`StreamingDiT.denoise` with overlap > 0) is not built.
+`overlap` is the official `dit_overlap` (0 in `restore_video`'s default, up to 6 here): a MIDDLE chunk's DiT pass then
+sees the previous chunk's last `overlap` encoder latents before its own, at their own positions (t_off = offset -
+overlap), and their outputs are dropped (`StreamingDiT.denoise`, whose blend only touches the part it drops). FIRST
+has no previous chunk and LAST pads as above either way, so only MIDDLE chunks change.
 """
 
 from dataclasses import dataclass
@@ -92,8 +95,11 @@ class SRStream:
     is in `state_dict()`."""
 
     def __init__(self, models: SRModels, lq_hw: tuple[int, int], scale: int, device: torch.device | str,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, overlap: int = 0):
+        if not 0 <= overlap <= LATENTS:
+            raise ValueError(f"SRStream: overlap {overlap}: must be 0 to {LATENTS} latents")
         self.models, self.device, self.dtype = models, torch.device(device), dtype
+        self.overlap = overlap
         self.lq_hw = tuple(lq_hw)
         self.scale = scale
         self.out_hw = output_size(self.lq_hw, scale)
@@ -191,7 +197,9 @@ class SRStream:
             zz = torch.cat([before, z], dim=1)  # (C, 7, h, w)
             den = (zz - m.dit(zz, self._cond, max(0, self._offset - pad)))[:, pad:]  # (C, L, h, w)
         else:
-            den = z - m.dit(z, self._cond, self._offset)  # (C, L, h, w)
+            k = self.overlap if self._prev_z is not None else 0  # the official overlap: MIDDLE chunks only
+            zz = torch.cat([self._prev_z[:, LATENTS - k:], z], dim=1) if k else z  # (C, k + L, h, w)
+            den = (zz - m.dit(zz, self._cond, self._offset - k))[:, k:]  # (C, L, h, w)
             self._prev_z = z[:, -LATENTS:].clone()  # (C, 6, h, w) pre-DiT, as the official LAST pads with
         self._offset += L
         y, self._dec = m.reae.decode(den.transpose(0, 1), self._dec)  # (4L, 3, H', W')
@@ -207,7 +215,7 @@ class SRStream:
         latents, the counters and the stream's shape (checked on load)."""
         d = {"pending": self._pending.clone(),
              "counters": torch.tensor([self._chunks, self._offset, self._pushed, self._emitted, int(self._finished)]),
-             "shape": torch.tensor([*self.lq_hw, self.scale])}
+             "shape": torch.tensor([*self.lq_hw, self.scale, self.overlap])}
         d.update({f"reae.{k}": v.clone() for k, v in {**self._enc, **self._dec}.items()})
         if self._prev_z is not None:
             d["prev_z"] = self._prev_z.clone()
@@ -216,9 +224,9 @@ class SRStream:
     def load_state_dict(self, d: dict[str, torch.Tensor]) -> None:
         """Continue from a `state_dict()` of a stream of the same models, frame size and scale."""
         shape = [int(v) for v in d["shape"]]
-        if shape != [*self.lq_hw, self.scale]:
-            raise ValueError(f"SRStream: state of frames {shape[:2]} at x{shape[2]}, this stream is {list(self.lq_hw)} "
-                             f"at x{self.scale}")
+        if shape != [*self.lq_hw, self.scale, self.overlap]:
+            raise ValueError(f"SRStream: state of frames {shape[:2]} at x{shape[2]} overlap {shape[3]}, this stream "
+                             f"is {list(self.lq_hw)} at x{self.scale} overlap {self.overlap}")
         self._chunks, self._offset, self._pushed, self._emitted, finished = (int(v) for v in d["counters"])
         self._finished = bool(finished)
         self._pending = d["pending"].to(self.device, self.dtype).clone()
