@@ -72,7 +72,8 @@ def load_sr(model_dir: Path, device: torch.device | str, dtype: torch.dtype) -> 
     materialize(dit, rel.dit_index, device, dtype)
     with safe_open(str(rel.prompt.file), framework="pt", device="cpu") as f:
         prompt = f.get_tensor(PROMPT_KEY)[0]  # (L, text_dim) the official pipeline's prompt_emb[0]
-    return SRModels(reae.eval(), dit.eval(), prompt.to(device=device, dtype=dtype))
+    return SRModels(reae.eval().requires_grad_(False), dit.eval().requires_grad_(False),
+                    prompt.to(device=device, dtype=dtype))
 
 
 def output_size(lq_hw: tuple[int, int], scale: int) -> tuple[int, int]:
