@@ -1,22 +1,10 @@
-"""Normalisations that several model files share (Wan's DiT layers in wan-s2v and SwiftVR's transformer): computed in
-fp32 whatever the input dtype, returned in the input's dtype. Pure tensor code."""
+"""A normalisation several model files share (Wan's DiT layers in wan-s2v and SwiftVR's transformer, both after
+diffusers' FP32LayerNorm): computed in fp32 whatever the input dtype, returned in the input's dtype. Pure tensor
+code."""
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-
-class RMSNorm(nn.Module):
-    """Wan's RMSNorm: normalise in fp32, round to the input dtype, then scale. Holds `weight` like WanRMSNorm."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()  # (..., D)
-        return (xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)).type_as(x) * self.weight
 
 
 class FP32LayerNorm(nn.LayerNorm):

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from avatar_cli.modules.norms import FP32LayerNorm, RMSNorm  # noqa: F401 -- shared with sr/swiftvr; imported from here
+from avatar_cli.modules.norms import FP32LayerNorm  # noqa: F401 -- shared with sr/swiftvr; imported from here
 
 # q, k, v (B, H, N, Dh) -> (B, H, N, Dh). Sequence parallelism swaps in its own (e.g. a Ulysses all-to-all around SDPA).
 AttentionOp = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -54,6 +54,19 @@ def as_weight_dtype(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
     if plist is not None and "weight" in plist and hasattr(plist.weight[-1], "dtype"):
         return x.to(plist.weight[-1].dtype)
     return x.to(layer.weight.dtype)
+
+
+class RMSNorm(nn.Module):
+    """Wan's RMSNorm: normalise in fp32, round to the input dtype, then scale. Holds `weight` like WanRMSNorm."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()  # (..., D)
+        return (xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)).type_as(x) * self.weight
 
 
 def sinusoidal_embedding(t: torch.Tensor, dim: int) -> torch.Tensor:

@@ -19,10 +19,11 @@ What differs from a plain Wan DiT:
 - The head uses the model's `scale_shift_table` plus the time embedding in fp32 (`streaming/dit.py:_dit_forward_chunk`,
   not the model's own `forward`).
 
-Precision follows the official code run in one dtype (`.to(dtype)` casts every weight and the RoPE table): the
-Linears and convs run in the weight dtype; the block modulation is added in fp32 and rounded; LayerNorms compute in
-fp32; the head's modulation runs in fp32; the timestep sinusoid is diffusers' fp32 one. With fp32 weights this is
-the official fp32 arithmetic.
+Precision follows the official code run in one dtype (`.to(dtype)` casts every weight and the RoPE table), rounding
+where it rounds: the Linears and convs run in the weight dtype; the block modulation is added in fp32 and rounded;
+LayerNorms compute in fp32; q/k RMSNorm is torch's (weight applied before rounding); the gated residuals and the
+RoPE's even outputs are single addcmuls; the head's modulation runs in fp32; the timestep sinusoid is diffusers'
+fp32 one. On CPU this gives the official outputs bit for bit in float32 and in bfloat16.
 """
 
 import functools
@@ -33,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from avatar_cli.modules.norms import FP32LayerNorm, RMSNorm
+from avatar_cli.modules.norms import FP32LayerNorm
 
 TIMESTEP = 1000.0  # official streaming/dit.py INFERENCE_TIMESTEP: one step from the fully degraded end of the flow
 ROPE_THETA = 10000.0
@@ -168,10 +169,14 @@ def rope_tables(p: SwiftVRParams, grid: tuple[int, int, int], t_off: int, dtype:
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs (x_2j, x_2j+1) in x's dtype. x (N, H, Dh); cos, sin (N, Dh/2) -> (N, H, Dh)."""
+    """Rotate interleaved pairs (x_2j, x_2j+1) in x's dtype. x (N, H, Dh); cos, sin (N, Dh/2) -> (N, H, Dh).
+
+    Rounded where the official in-place rotation (`_apply_rotary_emb_inplace`) rounds: the even output subtracts
+    x_odd·sin from the rounded x_even·cos in one addcmul, the odd one adds two rounded products."""
     xe, xo = x[..., 0::2], x[..., 1::2]  # (N, H, Dh/2)
     c, s = cos[:, None], sin[:, None]  # (N, 1, Dh/2)
-    return torch.stack([xe * c - xo * s, xe * s + xo * c], dim=-1).flatten(-2)  # (N, H, Dh)
+    even = torch.addcmul(xe * c, xo, s, value=-1)  # (N, H, Dh/2)
+    return torch.stack([even, xo * c + xe * s], dim=-1).flatten(-2)  # (N, H, Dh)
 
 
 # --- layers ----------------------------------------------------------------------------------------------------
@@ -186,7 +191,9 @@ class Attention(nn.Module):
         self.heads = p.num_heads
         self.to_q, self.to_k, self.to_v = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
         self.to_out = nn.ModuleList([nn.Linear(d, d)])
-        self.norm_q, self.norm_k = RMSNorm(d, p.eps), RMSNorm(d, p.eps)
+        # torch's RMSNorm, as the official module: it scales by the weight before rounding to a low-precision dtype,
+        # where Wan's own RMSNorm (wan-s2v's) rounds first.
+        self.norm_q, self.norm_k = nn.RMSNorm(d, eps=p.eps), nn.RMSNorm(d, eps=p.eps)
 
     def window_self(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], gather: torch.Tensor,
                     owner: torch.Tensor, n_windows: int) -> torch.Tensor:
@@ -258,9 +265,10 @@ class Block(nn.Module):
         """x (N, D); tp (6, D) time projection; ctx (L, D) embedded prompt. -> (N, D)."""
         mods = (self.scale_shift_table[0] + tp.float()).to(x.dtype)  # (6, D) added in fp32, rounded
         shift, scale, gate, c_shift, c_scale, c_gate = mods.unbind(0)  # (D,) each
-        x = x + self.attn1.window_self(self.norm1(x) * (1 + scale) + shift, rope, *layout) * gate  # (N, D)
+        # The gated residuals are one addcmul each (one rounding in a low-precision dtype), as the official block's.
+        x = torch.addcmul(x, self.attn1.window_self(self.norm1(x) * (1 + scale) + shift, rope, *layout), gate)  # (N, D)
         x = x + self.attn2.cross(self.norm2(x), ctx)  # (N, D)
-        return x + self.ffn(self.norm3(x) * (1 + c_scale) + c_shift) * c_gate  # (N, D)
+        return torch.addcmul(x, self.ffn(self.norm3(x) * (1 + c_scale) + c_shift), c_gate)  # (N, D)
 
 
 class TimeEmbedding(nn.Module):

@@ -79,10 +79,10 @@ class TPool(nn.Module):
 
 
 class TGrow(nn.Module):
-    """Temporal upsampling. Stride 1: a 1x1 projection (`proj`). Stride 2: the official module repeats each frame
-    twice and runs a (3, 1, 1) conv with zero padding over the pair (`conv3d`), so output 0 = (W1 + W2) x and
-    output 1 = (W0 + W1) x with W_k = conv3d.weight[:, :, k]: computed here as one 1x1 conv with both summed
-    kernels stacked on the output channels."""
+    """Temporal upsampling. Stride 1: a 1x1 projection (`proj`). Stride 2 (`conv3d`): each frame repeated twice and a
+    (3, 1, 1) conv with zero padding run over the pair, so output 0 = (W1 + W2) x and output 1 = (W0 + W1) x with
+    W_k = conv3d.weight[:, :, k]. The conv3d itself is run, not the summed kernels: in bf16 a kernel sum rounded to
+    bf16 moves the decoded frames by several bf16 steps off the official ones."""
 
     def __init__(self, n: int, stride: int):
         super().__init__()
@@ -96,11 +96,9 @@ class TGrow(nn.Module):
         """x (T, C, H, W) -> (T * stride, C, H, W), each frame's outputs consecutive."""
         if self.stride == 1:
             return self.proj(x)
-        w = self.conv3d.weight[..., 0, 0]  # (C, C, 3)
-        pair = torch.cat([w[:, :, 1] + w[:, :, 2], w[:, :, 0] + w[:, :, 1]])  # (2C, C) outputs 0 then 1
         T, C, H, W = x.shape
-        y = F.conv2d(x, pair[:, :, None, None])  # (T, 2C, H, W)
-        return y.reshape(T * 2, C, H, W)  # (2T, C, H, W)
+        y = self.conv3d(x[:, :, None].expand(T, C, 2, H, W))  # (T, C, 2, H, W) the frame, twice, in time
+        return y.transpose(1, 2).reshape(T * 2, C, H, W)  # (2T, C, H, W)
 
 
 class Clamp(nn.Module):

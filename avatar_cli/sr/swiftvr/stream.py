@@ -135,6 +135,7 @@ class SRStream:
                              f"{self.lq_hw[1]})")
         x = frames[:, :, :self._crop[0], :self._crop[1]].to(self.device)  # (T, 3, h8, w8) top-left crop
         x = x.to(self.dtype) if x.dtype == torch.uint8 else x.to(self.dtype) * 255  # (T, 3, h8, w8) on 0..255
+        x = x.contiguous()  # as the official preprocessing: a strided or channels-last input picks other kernels
         self._pending = torch.cat([self._pending, x])
         self._pushed += frames.shape[0]
         out = []
