@@ -23,7 +23,7 @@ Precision follows the official code run in one dtype (`.to(dtype)` casts every w
 where it rounds: the Linears and convs run in the weight dtype; the block modulation is added in fp32 and rounded;
 LayerNorms compute in fp32; q/k RMSNorm is torch's (weight applied before rounding); the gated residuals and the
 RoPE's even outputs are single addcmuls; the head's modulation runs in fp32; the timestep sinusoid is diffusers'
-fp32 one. On CPU this gives the official outputs bit for bit in float32 and in bfloat16.
+fp32 one. In float32 on CPU the outputs equal the official goldens bit for bit (tests/test_swiftvr_golden.py).
 """
 
 import functools
