@@ -10,9 +10,12 @@ from packaging.specifiers import SpecifierSet
 from safetensors import safe_open
 
 GOLDEN = Path(__file__).parent / "golden"
-# Weights the official run wrote through transformers' or diffusers' save_pretrained, which leaves no room for our
+# Weights the official run wrote through transformers' or diffusers' save_pretrained, which leave no room for our
 # metadata: the golden's JSON (official.json) records that run.
 LIBRARY_WRITTEN = {"model.safetensors", "w2v_model.safetensors", "diffusion_pytorch_model.safetensors"}
+# What each official repository's runs must have recorded, beyond torch: the pins of the libraries the run relied on.
+REQUIRED_PINS = {"Wan-Video/Wan2.2": ("transformers_pin",), "Alibaba-Quark/LiveAvatar": ("transformers_pin",),
+                 "H-oliday/SwiftVR": ("torch_pin", "diffusers_pin", "safetensors_pin", "numpy_pin")}
 FILES = sorted(p for p in GOLDEN.rglob("*.safetensors") if p.name not in LIBRARY_WRITTEN)
 RECORDS = sorted(p for p in GOLDEN.rglob("*.json") if "official" in json.loads(p.read_text()))
 
@@ -21,14 +24,10 @@ def test_goldens_are_found():
     assert len(FILES) >= 10, FILES
 
 
-# Per official repository, the library its goldens hand the most work to, whose pin the record must hold.
-PINNED = {"Wan-Video/Wan2.2": "transformers", "Alibaba-Quark/LiveAvatar": "transformers", "H-oliday/SwiftVR": "diffusers"}
-
-
 def check(path: Path, prov: dict) -> None:
-    assert prov["repository"] in PINNED
+    assert prov["repository"] in REQUIRED_PINS
     assert len(prov["commit"]) == 40
-    assert f"{PINNED[prov['repository']]}_pin" in prov and "torch" in prov
+    assert "torch" in prov and all(pin in prov for pin in REQUIRED_PINS[prov["repository"]]), prov
     for dist, version in prov.items():
         pin = prov.get(f"{dist}_pin")
         if pin:

@@ -23,7 +23,7 @@ from safetensors import safe_open
 
 from avatar_cli.modules.module import build_meta, save_safetensors
 from avatar_cli.sr.swiftvr import adapter
-from avatar_cli.sr.swiftvr.dit import SwiftVRDiT, axis_rotations
+from avatar_cli.sr.swiftvr.dit import SwiftVRDiT, axis_rotations, axis_starts
 from avatar_cli.sr.swiftvr.model_dir import read_release
 from avatar_cli.sr.swiftvr.reae import ReAE, ReAEParams
 from avatar_cli.sr.swiftvr.stream import SRStream, load_sr
@@ -211,3 +211,12 @@ def test_rope_table_with_the_extension_matches(models):
     sin = torch.cat([s.repeat_interleave(2, dim=1) for _, s in parts], dim=1)
     assert rows > p.rope_max_seq_len
     assert torch.equal(cos, t["rope.freqs_cos"]) and torch.equal(sin, t["rope.freqs_sin"])
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_window_starts_are_the_official_ones_at_each_case(models, name):
+    case, _ = load_case(name)
+    H, W = case["tokens_hw"]
+    wh, ww = (min(w, n) for w, n in zip(models.dit.params.window_hw, (H, W)))
+    for kind, shifted in (("plain", False), ("shifted", True)):
+        assert [axis_starts(H, wh, shifted), axis_starts(W, ww, shifted)] == case["window_starts"][kind], kind
