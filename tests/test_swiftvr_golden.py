@@ -141,7 +141,7 @@ def test_dit_per_chunk_matches(models, name):
     assert worst < TOL_DIT, worst
 
 
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", ["a", "b"])  # every chunk kind and the carried states; the rest via the stream
 def test_reae_encode_and_decode_per_chunk_match(models, name):
     """Encoder: the chunks of our own upscaled input, state carried, against the official latents. Decoder: the
     official DiT outputs, state carried, against the official decoded frames (trim and crop applied)."""
