@@ -220,3 +220,19 @@ def test_window_starts_are_the_official_ones_at_each_case(models, name):
     wh, ww = (min(w, n) for w, n in zip(models.dit.params.window_hw, (H, W)))
     for kind, shifted in (("plain", False), ("shifted", True)):
         assert [axis_starts(H, wh, shifted), axis_starts(W, ww, shifted)] == case["window_starts"][kind], kind
+
+
+def test_init_tiny_writes_the_release_layout_the_golden_records(tmp_path, keys):
+    from avatar_cli.sr.swiftvr.model_dir import init_tiny
+
+    d = init_tiny(tmp_path / "tiny", seed=0).root
+    assert sorted(str(p.relative_to(d)) for p in d.rglob("*") if p.is_file()) == [
+        "prompt_embedding.safetensors", "reae.safetensors", "transformer/config.json",
+        "transformer/diffusion_pytorch_model.safetensors"]
+    golden_cfg = json.loads((GOLDEN / "release" / "transformer" / "config.json").read_text())
+    ours_cfg = json.loads((d / "transformer" / "config.json").read_text())
+    assert set(ours_cfg) == set(golden_cfg) - {"_diffusers_version"}
+    for file, listing in keys.items():
+        if file.endswith(".safetensors"):
+            with safe_open(str(d / file), "pt") as f:
+                assert sorted(f.keys()) == sorted(listing), file  # the same names (2 blocks in both), tiny shapes
