@@ -215,13 +215,14 @@ class SRStream:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Everything carried, tensors only: the held-back input frames, the ReAE states, the previous chunk's
         latents, the counters and the stream's shape (checked on load)."""
-        d = {"pending": self._pending.clone(),
+        d = {"pending": self._pending,
              "counters": torch.tensor([self._chunks, self._offset, self._pushed, self._emitted, int(self._finished)]),
              "shape": torch.tensor([*self.lq_hw, self.scale, self.overlap])}
-        d.update({f"reae.{k}": v.clone() for k, v in {**self._enc, **self._dec}.items()})
+        d.update({f"reae.{k}": v for k, v in {**self._enc, **self._dec}.items()})
         if self._prev_z is not None:
-            d["prev_z"] = self._prev_z.clone()
-        return d
+            d["prev_z"] = self._prev_z
+        # Contiguous copies: a safetensors checkpoint refuses strided tensors, and the stream goes on changing its own.
+        return {k: v.clone(memory_format=torch.contiguous_format) for k, v in d.items()}
 
     def load_state_dict(self, d: dict[str, torch.Tensor]) -> None:
         """Continue from a `state_dict()` of a stream of the same models, frame size and scale."""
