@@ -294,7 +294,7 @@ def test_push_size_does_not_change_the_output(models):
     assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("n", [2, 26, 31, 52])
+@pytest.mark.parametrize("n", [1, 2, 26, 31, 52])
 def test_frame_counts_not_4a_plus_1_keep_every_frame(models, n):
     """Padded with copies of the last frame to the next 4a + 1: the output is that clip's, cut to n frames (26
     frames pad to 29, which the official chunking runs as FIRST + a LAST of one frame)."""
@@ -370,3 +370,8 @@ def test_bad_frames_are_refused(models):
     s.finish()
     with pytest.raises(RuntimeError, match="push after finish"):
         s.push(clip(1))
+
+
+def test_a_stream_given_nothing_gives_nothing(models):
+    s = SRStream(models, LQ, SCALE, "cpu", torch.float32)
+    assert s.push(clip(0)).shape == (0, 3, 64, 96) and s.finish().shape == (0, 3, 64, 96) and s.held == 0

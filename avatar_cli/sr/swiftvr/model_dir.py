@@ -9,6 +9,10 @@ the safetensors headers alone, and a random tiny one in the same layout:
 Every refusal is an InputError (exit 2) naming the file and what is wrong with it: a missing file, a pickled
 checkpoint where a safetensors one belongs (never unpickled), a missing, unexpected or mis-shaped tensor, or a
 transformer of another model (Wan2.2-S2V, an official Wan2.2 checkpoint, a Wan2.2 diffusers pipeline).
+
+Not told apart: a bare diffusers Wan2.2-TI2V-5B `transformer/` put beside a ReAE. It has the same class, config
+fields and tensor names as SwiftVR's (SwiftVR fine-tunes that backbone), and the release's config may lack the
+fields only the SwiftVR class registers (`self_attn_window_hw`, `enable_swa`), so nothing in the headers differs.
 """
 
 import json
