@@ -291,16 +291,13 @@ def run_restore(root, official, expect, name, frames, *, clip_len=24, dit_overla
                 assert not k.startswith("tpool") or v is None, (k, None if v is None else v.shape)
                 if v is not None:
                     tensors[f"state.{side}.{k}"] = v.detach().contiguous().clone()
-    rope = pipe.transformer.rope
-    tensors["rope.freqs_cos"] = rope.freqs_cos.detach().contiguous().clone()
-    tensors["rope.freqs_sin"] = rope.freqs_sin.detach().contiguous().clone()
     case = {
         "entry": "SwiftVRPipeline.restore_video", "frames_given": int(frames.shape[0]), "frames_written": stats["frames"],
         "lq_hw": [lq_h, lq_w], "out_hw": [out_h, out_w], "pad_hw": list(rec.pad_hw), "upscale": upscale,
-        "clip_len": clip_len, "dit_overlap": dit_overlap, "png_save": True, "rope_len": int(rope.freqs_cos.shape[0]),
-        "chunks": rec.chunks, "decoded_frames_kept": decoded_frames, "states": "after chunk 0" if keep_states else None,
+        "clip_len": clip_len, "dit_overlap": dit_overlap, "png_save": True, "chunks": rec.chunks,
+        "decoded_frames_kept": decoded_frames, "states": "after chunk 0" if keep_states else None,
     }
-    return tensors, case
+    return finish(pipe, official, tensors, case)
 
 
 def run_stream(root, official, expect, frames, steps, *, upscale=2, dit_overlap=1) -> tuple[dict, dict]:
@@ -327,15 +324,27 @@ def run_stream(root, official, expect, frames, steps, *, upscale=2, dit_overlap=
     tensors = dict(rec.tensors)
     tensors["input_uint8"] = frames
     tensors["output_uint8"] = torch.from_numpy(official["to_uint8"](torch.cat(outs, dim=1)))
-    rope = pipe.transformer.rope
-    tensors["rope.freqs_cos"] = rope.freqs_cos.detach().contiguous().clone()
-    tensors["rope.freqs_sin"] = rope.freqs_sin.detach().contiguous().clone()
     case = {
         "entry": "SwiftVRPipeline.stream + StreamSession.step/flush", "frames_given": int(frames.shape[0]),
         "steps": list(steps), "step_returns": returned, "lq_hw": list(frames.shape[1:3]), "out_hw": [out_h, out_w],
-        "pad_hw": list(rec.pad_hw), "upscale": upscale, "dit_overlap": dit_overlap,
-        "rope_len": int(rope.freqs_cos.shape[0]), "chunks": rec.chunks,
+        "pad_hw": list(rec.pad_hw), "upscale": upscale, "dit_overlap": dit_overlap, "chunks": rec.chunks,
     }
+    return finish(pipe, official, tensors, case)
+
+
+def finish(pipe, official, tensors: dict, case: dict) -> tuple[dict, dict]:
+    """What every case adds: the RoPE table as the run left it, and the official window starts at the case's tokens."""
+    rope = pipe.transformer.rope
+    tensors["rope.freqs_cos"] = rope.freqs_cos.detach().contiguous().clone()
+    tensors["rope.freqs_sin"] = rope.freqs_sin.detach().contiguous().clone()
+    case["rope_len"] = int(rope.freqs_cos.shape[0])
+    _, _, _, lat_h, lat_w = tensors["chunk0.dit_in"].shape
+    hw = (lat_h // 2, lat_w // 2)  # tokens: the patch is 1 x 2 x 2
+    win = [min(w, n) for w, n in zip(TINY_DIT["self_attn_window_hw"], hw)]
+    case["tokens_hw"] = list(hw)
+    case["window_starts"] = {
+        name: [t.tolist() for t in official["hw_starts"](*hw, *win, shift)]
+        for name, shift in (("plain", False), ("shifted", True))}
     return tensors, case
 
 
@@ -355,12 +364,11 @@ def import_official(src: Path) -> dict:
     import swiftvr.streaming.dit as dit_module
     from swiftvr import SwiftVRPipeline
     from swiftvr.models import ReAE, WanTransformer3DModel
-
-    def to_uint8(x):
-        return sio.ntchw_to_uint8_frames(x)
+    from swiftvr.models.transformer import _make_hw_starts
 
     return {"SwiftVRPipeline": SwiftVRPipeline, "ReAE": ReAE, "WanTransformer3DModel": WanTransformer3DModel,
-            "dit_module": dit_module, "crop": sio.crop_spatial_padding_ntchw, "to_uint8": to_uint8}
+            "dit_module": dit_module, "crop": sio.crop_spatial_padding_ntchw, "to_uint8": sio.ntchw_to_uint8_frames,
+            "hw_starts": _make_hw_starts}
 
 
 def main():
