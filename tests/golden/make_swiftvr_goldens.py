@@ -23,12 +23,13 @@ Recording wraps, without changing what they compute, the streaming methods (`Str
 module function `streaming/dit.py:_dit_forward_chunk` (so the exact DiT input, RoPE t-offset and prediction are seen).
 Each case gets a freshly loaded pipeline (the RoPE table's growth persists in the model otherwise).
 
-The tiny size. ReAE has no size arguments that `from_pretrained` passes (it builds `ReAE(path)` with the defaults:
-40,946,364 parameters), so its weights are not committed: they follow `swiftvr_weights.py:seeded_weights(shapes, REAE_SEED)`, and
-the golden stores the rule's parameters and `tensor_sha256` of the result. The DiT (TINY_DIT, 2 heads x 16, 2 layers,
-window (2, 2), rope_max_seq_len 8) is committed as the release layout: release/transformer/config.json and
-diffusion_pytorch_model.safetensors (written by diffusers, so its provenance is official.json), with
-release/prompt_embedding.safetensors; release/keys.json lists every key and shape of all three files.
+The tiny size. `from_pretrained` passes ReAE no size arguments (it builds `ReAE(path)` with the defaults: 40,946,364
+parameters), so its weights are not committed: they follow `seeded_weights(shapes, REAE_SEED)` of
+tests/golden/swiftvr_weights.py, and the golden stores the rule's parameters and `tensor_sha256` of the result. The DiT
+(TINY_DIT, 2 heads x 16, 2 layers, window (2, 2), rope_max_seq_len 8) is committed as the release layout:
+release/transformer/config.json and diffusion_pytorch_model.safetensors (written by diffusers, so its provenance is
+official.json), with release/prompt_embedding.safetensors; release/keys.json lists every key and shape of all three
+files.
 
 Sizes: "S" = LQ 13x11 (H x W) cropped to 8x8, x2 -> 16x16, padded to 32x32: latents 2x2, one token per latent frame.
 "W" = LQ 59x75 cropped to 56x72, x2 -> 112x144, padded to 128x160: latents 8x10, tokens 4x5, so with window (2, 2):
@@ -43,17 +44,20 @@ Cases (tests/golden/swiftvr/case_*.safetensors; JSON `case` in the header descri
   LAST 9 (b 2).
 - c2: stream(upscale 2, dit_overlap 1) on the raw 13x11 frames (no x8 crop there: 26x22 padded to 32x32), steps of
   24, 24 and 10 frames, then flush (2 leftover frames padded to 4).
-- d (the RoPE extension) is covered by a, c1 and c2, which all pass rope_max_seq_len; `rope_len` says where it went.
+- d (the RoPE extension) is covered by a, c1 and c2, which all run past rope_max_seq_len; `rope_len` is the table's
+  length after the run (the first extension's t_off + T + 256), `rope.freqs_cos` / `rope.freqs_sin` the table.
 - e: restore_video, W, 5 frames: one LAST chunk (b 1, 5 zero pads) at the window-exercising size; decoded float for
   the first output frame only (size), uint8 for all.
-Tensor names per chunk i (latents are [1, T, 48, h, w], NTCHW, as the decoder takes them):
-  `chunk{i}.latents` the encoder's output; `chunk{i}.dit_in` what the transformer saw (after LAST padding or the
-  overlap latent); `chunk{i}.dit_pred` its prediction; `chunk{i}.dit_out` what the decoder got; `chunk{i}.decoded`
-  the decoder's frames after clamp, trim and the padding crop, float [0, 1], [1, T, 3, H, W]; `chunk{i}.pad_src`
-  (LAST) the previous chunk's encoder latents handed to `denoise_last_chunk`. Per case: `input_uint8` [N, H, W, 3]
+Tensor names per chunk i (latents are [1, T, 48, h, w], NTCHW, as the decoder takes them): `chunk{i}.latents` the
+  encoder's output; `chunk{i}.dit_in` what the transformer saw (after LAST padding or the overlap latent);
+  `chunk{i}.dit_pred` its prediction; `chunk{i}.dit_out` what the decoder got; `chunk{i}.decoded` the decoder's frames
+  after clamp, trim and the padding crop, float [0, 1], [1, T, 3, H, W]; `chunk{i}.pad_src` (LAST after another chunk)
+  the previous chunk's last 6 encoder latents handed to `denoise_last_chunk`. Per case: `input_uint8` [N, H, W, 3]
   (all frames given), `output_uint8` [N', H, W, 3] (the PNGs restore_video wrote; c2: the official
   `io.py:ntchw_to_uint8_frames` of each step's frames), and `state.enc.mem_{j}` / `state.dec.mem_{j}` [1, 1, C, h, w]
-  (case a, after chunk 0: the MemBlock boundary frames `streaming/tae.py:apply_parallel_with_boundary` carries).
+  (case a, after chunk 0: the MemBlock boundary frames `streaming/tae.py:apply_parallel_with_boundary` carries, j the
+  block's index in `encoder` / `decoder`; the TPool leftovers are checked to be empty). The header's `case` JSON also
+  holds `tokens_hw` and `window_starts` (`models/transformer.py:_make_hw_starts` at those tokens, plain and shifted).
 
 Not run by the tests (they never import the official code); committed to document how the goldens were made.
 """
@@ -276,8 +280,8 @@ def run_restore(root, official, expect, name, frames, *, clip_len=24, dit_overla
     tensors["input_uint8"] = frames
     tensors["output_uint8"] = out
     # The PNGs are the official truncation of the decoded frames: (x * 255).clamp(0, 255) to uint8.
-    decoded = torch.cat([tensors[f"chunk{i}.decoded"] for i in range(len(rec.chunks)) if f"chunk{i}.decoded" in tensors],
-                        dim=1)
+    decoded = [tensors.get(f"chunk{i}.decoded") for i in range(len(rec.chunks))]
+    decoded = torch.cat([d for d in decoded if d is not None], dim=1)
     assert np.array_equal(official["to_uint8"](decoded), out.numpy()), name
     if decoded_frames is not None:  # keep only the first output frames of the decoded floats (size)
         for i in range(len(rec.chunks)):
@@ -292,7 +296,8 @@ def run_restore(root, official, expect, name, frames, *, clip_len=24, dit_overla
                 if v is not None:
                     tensors[f"state.{side}.{k}"] = v.detach().contiguous().clone()
     case = {
-        "entry": "SwiftVRPipeline.restore_video", "frames_given": int(frames.shape[0]), "frames_written": stats["frames"],
+        "entry": "SwiftVRPipeline.restore_video", "frames_given": int(frames.shape[0]),
+        "frames_written": stats["frames"],
         "lq_hw": [lq_h, lq_w], "out_hw": [out_h, out_w], "pad_hw": list(rec.pad_hw), "upscale": upscale,
         "clip_len": clip_len, "dit_overlap": dit_overlap, "png_save": True, "chunks": rec.chunks,
         "decoded_frames_kept": decoded_frames, "states": "after chunk 0" if keep_states else None,

@@ -16,13 +16,13 @@ newest release it admits is taken, except diffusers: its range (`>=0.31.0`) is o
 the day it was made; it is held at 0.33.1, a release inside the range from before the official code was published.
 
 SwiftVR (H-oliday/SwiftVR) pins every requirement with `==`, torch included, so its environment takes torch from that
-pin (2.10.0, the PyPI wheel, a CUDA build that runs on a CPU once its nvidia libraries are installed beside it), not
-from the project's; `PIP_CONSTRAINT` is emptied for that install, since this machine's pip constraints cap torch for
-its local copies. Its makers import only torch, diffusers (with accelerate, which diffusers' loader needs for the
+pin (2.10.0, the PyPI wheel: a CUDA build, which runs on a CPU with its nvidia libraries installed beside it), not
+from the project's. Its makers import only torch, diffusers (with accelerate, which diffusers' loader needs for the
 release's fp32-module rule), safetensors, numpy, pillow, decord and imageio (both imported by `swiftvr/io.py` at
 import time); transformers, torchvision, einops and imageio-ffmpeg are never imported and not installed:
 
-    python3 tests/golden/official_env.py create /tmp/swiftvr-venv --repo /work/.mirror/H-oliday+SwiftVR/repo --profile swiftvr
+    python3 tests/golden/official_env.py create /tmp/swiftvr-venv --profile swiftvr \
+        --repo /work/.mirror/H-oliday+SwiftVR/repo
 
 Each maker calls `provenance(repo)` before it writes: it refuses to run when an installed version falls outside the
 requirements file's pin (the check that would have caught a golden made under transformers 5), and returns the
@@ -100,14 +100,11 @@ def as_metadata(prov: dict[str, str]) -> dict[str, str]:
 
 def create_swiftvr(venv: Path, repo: Path) -> None:
     """SwiftVR's environment: every imported distribution at its `==` pin, torch with its own (nvidia) dependencies."""
-    import os
-
     pins = requirements(repo)
     wanted = [f"{d}{pins.get(d, '')}" for d in SWIFTVR_IMPORTED]
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-compile"]
-    env = {**os.environ, "PIP_CONSTRAINT": ""}  # the machine's constraints cap torch below nothing we need here
-    subprocess.run([*pip, *wanted, "packaging"], check=True, env=env)
+    subprocess.run([*pip, *wanted, "packaging"], check=True)
     print(f"{venv}: {' '.join(wanted)}")
 
 
