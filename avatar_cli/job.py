@@ -174,9 +174,9 @@ def resolve_parallel(job: Job, source: ModelSource, world_size: int) -> tuple[Sp
 def resolve_decode(job: Job, family, runtime: Runtime, parallel: Split) -> tuple[str, str]:
     """`runtime.decode` for this family, device and split of the ranks -> ("inline" | "worker", why)."""
     decode, why = decode_worker.choose(job.spec.runtime.decode.value, family, runtime)
-    if parallel == Split.steps and decode == "worker":  # rank 0 already decodes while the step ranks denoise
+    if parallel == Split.steps and decode in ("worker", "thread"):  # rank 0 already decodes while the others denoise
         return "inline", "the timestep pipeline's rank 0 is its decode process"
-    if job.live and decode == "worker":
+    if job.live and decode in ("worker", "thread"):
         return "inline", "a live session decodes in its own process"
     return decode, why
 

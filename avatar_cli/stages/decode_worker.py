@@ -90,8 +90,8 @@ def spill(tensors: Mapping[str, torch.Tensor], folder: Path) -> dict[str, torch.
 
 def check_setting(setting: str, family: Family) -> None:
     """Raise InputError for a decode setting this family cannot run (called at prepare, before any load)."""
-    if setting == "worker" and family.decode_feeds_back:
-        raise InputError(f"runtime.decode: worker: the {family.name} family conditions later chunks on decoded "
+    if setting in ("worker", "thread") and family.decode_feeds_back:
+        raise InputError(f"runtime.decode: {setting}: the {family.name} family conditions later chunks on decoded "
                          "frames (its decode feeds back), so its decode cannot run apart from the DiT; use inline "
                          "or auto")
 
