@@ -103,11 +103,11 @@ def test_core_share_lends_a_thread_while_the_helper_works_and_takes_it_back_at_t
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        cores = CoreShare(2)
         seen = []
         model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4)))
         model[1][0].register_forward_pre_hook(lambda *_: seen.append(torch.get_num_threads()))
-        cores.watch([model])
+        cores = CoreShare(2, [model])
+        cores.open()
         helper = []
 
         def work() -> None:

@@ -54,8 +54,8 @@ class Pipeline:
         """runtime.decode: thread: this pipeline's decode on a thread of its own, into `sink`. The loop's steps share
         the CPU threads with it (runtime/device.py CoreShare: one fewer for the loop while the decode works, checked
         before each block of the loop's models)."""
-        cores = CoreShare(torch.get_num_threads())
-        cores.watch(m for step in (Step.context, Step.a2v, Step.sr) for m in self.steps.models(step).values())
+        cores = CoreShare(torch.get_num_threads(),
+                          [m for step in (Step.context, Step.a2v, Step.sr) for m in self.steps.models(step).values()])
         return PublishThread(self.publish, sink, size, cores, resume_at)
 
     def schedule(self, spec: JobSpec, total_frames: int) -> list[Chunk]:

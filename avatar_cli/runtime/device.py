@@ -106,14 +106,15 @@ class CoreShare:
     torch's intra-op count is per thread (OpenMP's nthreads is a per-thread setting, and oneDNN reads it on every
     call), so each side sets its own. The helper takes one thread for its whole life (`helper_thread`); the loop's
     count follows the helper's work: `lend` (the loop, handing work over) and `returned` (the helper, done with it)
-    count the work in flight, and `sync`, called by the loop's thread, sets its count from that. `watch` calls `sync`
-    before each block of the loop's models runs (forward pre-hooks, removed by `close`), so the loop takes the
-    second core back within a block of the helper's finishing, not at the next chunk. The values computed are the
+    count the work in flight, and `sync`, called by the loop's thread, sets its count from that. From `open` to
+    `close`, `sync` runs before each block of the loop's models (`models`: forward pre-hooks), so the loop takes
+    the second core back within a block of the helper's finishing, not at the next chunk. The values computed are the
     same on any thread count where every kernel splits its outputs, not its sums, over threads (the mini renders'
     digests are the same at 1 and 2 threads: tests/test_decode_thread.py)."""
 
-    def __init__(self, threads: int):
+    def __init__(self, threads: int, models: Iterable[nn.Module] = ()):
         self.threads = threads  # the loop's count with the helper idle (the job's)
+        self.models = list(models)
         self.owner = threading.get_ident()  # the loop's thread: the one that may `sync`
         self._lock = threading.Lock()
         self._lent = 0  # pieces of work handed to the helper and not finished
@@ -142,10 +143,10 @@ class CoreShare:
             torch.set_num_threads(want)
             self._now = want
 
-    def watch(self, models: Iterable[nn.Module]) -> None:
-        """`sync` before each of these models and each of their blocks (their children, and the members of their
-        ModuleLists and Sequentials) runs."""
-        for model in models:
+    def open(self) -> None:
+        """`sync` before each of the loop's models and each of their blocks (their children, and the members of
+        their ModuleLists and Sequentials) runs, until `close`."""
+        for model in self.models:
             for name, m in model.named_modules():
                 if name.count(".") <= 1:  # the model, its children, and a list's members (blocks.0)
                     self._hooks.append(m.register_forward_pre_hook(lambda *_: self.sync()))

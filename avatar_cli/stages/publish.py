@@ -148,8 +148,7 @@ class PublishThread:
         self._sent: deque[tuple[int, int, RollingState, bool]] = deque()  # (next_chunk, start, state, resumable)
         self._failed: BaseException | None = None
         self._stopped = False
-        self._thread = threading.Thread(target=self._main, name="avatar-decode", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None  # started with the first stretch
 
     @property
     def first_put(self) -> float | None:
@@ -161,6 +160,10 @@ class PublishThread:
 
     def publish(self, final: Final, next_chunk: int, state: RollingState) -> list[Stretch]:
         state.published += final.frames
+        if self._thread is None:
+            self.cores.open()
+            self._thread = threading.Thread(target=self._main, name="avatar-decode", daemon=True)
+            self._thread.start()
         if not self._handed_cache:  # a resumed render's decoder cache: the thread's from now on
             own = [k for k in state.tensors if self.stage.family.is_decode_state(k)]
             self._decode_state.tensors.update({k: state.tensors.pop(k) for k in own})
@@ -201,11 +204,11 @@ class PublishThread:
         return self.hashing.abort()
 
     def _stop(self) -> None:
-        if not self._stopped:
-            self._stopped = True
+        if not self._stopped and self._thread is not None:
             self._todo.put(None)
             self._thread.join()
             self.cores.close()
+        self._stopped = True
 
     def _collect(self, block: bool) -> list[Stretch]:
         """The stretches the thread finished (waiting for one when `block`), in order; raises the thread's error."""
