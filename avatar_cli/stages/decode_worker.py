@@ -190,6 +190,7 @@ class DecodeWorker:
     `seconds` gives the worker's decode seconds and this process's seconds blocked on it."""
 
     needs: tuple[str, ...] = ()
+    refines = False
 
     def __init__(self, source: Any, runtime: Runtime, world_size: int, writer_path: str, writer_args: dict,
                  size: tuple[int, int], threads: int | None = None,

@@ -63,15 +63,20 @@ class Publisher(Protocol):
     needs: the components `publish` runs in this process (none: it decodes elsewhere, or not at all); the loop
     brings them onto the device around it and times it as the decode step. first_put: when the first
     frame reached the Sink (media/sink.py `now()`) (None: none yet). seconds: compute seconds it measured itself, added to the loop's.
+    refines: False: `publish` is handed refined latents (the loop ran the family's refine step); True: the latents
+    before it, with `refine` (the family's refine step bound to this job's models and reference) to run itself.
     """
 
     needs: tuple[str, ...]
     first_put: float | None
     seconds: dict[str, float]
+    refines: bool
 
-    def publish(self, final: Final, next_chunk: int, state: RollingState) -> list[Stretch]:
-        """Publish `final` (refined latents; `state.published` counts it after this); returns the stretches whose
-        frames are now in the Sink, each with the rolling state to resume after it (the ones in flight come later)."""
+    def publish(self, final: Final, next_chunk: int, state: RollingState,
+                refine: Callable[[torch.Tensor], torch.Tensor] | None = None) -> list[Stretch]:
+        """Publish `final` (refined latents unless `refines`; `state.published` counts it after this); returns the
+        stretches whose frames are now in the Sink, each with the rolling state to resume after it (the ones in
+        flight come later). refine: given when `refines`, z_lo -> z_hi."""
         ...
 
     def finish(self) -> list[Stretch]: ...  # wait for every stretch in flight; their Stretches, in order
@@ -91,6 +96,7 @@ class PublishHere:
         self.decodes = sink is not None or stage.family.decode_feeds_back
         self.needs = stage.needs if self.decodes else ()
         self.seconds: dict[str, float] = {}
+        self.refines = False
 
     @property
     def first_put(self) -> float | None:
@@ -122,8 +128,9 @@ class PublishThread:
     """The DecodePublish stage on a thread of this process (runtime.decode: thread), into `sink`: the loop hands
     each stretch over and goes on with the next chunk while the thread decodes it, on one CPU thread of its own
     (`cores`, runtime/device.py CoreShare: the loop computes on the other threads meanwhile, on all of them again
-    once the thread is idle). On a small CPU this overlaps two streams of small ops, each on its own core, where
-    both on two threads would spend much of their time waking and joining the pool.
+    once the thread is idle). It runs the family's refine step (the super-resolution) before the decode, so the
+    loop hands it the latents as the DiT left them. On a small CPU this overlaps two streams of small ops, each on
+    its own core, where both on two threads would spend much of their time waking and joining the pool.
 
     As the decode worker (stages/decode_worker.py) does, it keeps the decoder's cache (the state tensors
     `family.is_decode_state` names) on its own side from the first stretch on, hands back each stretch once its
@@ -135,12 +142,13 @@ class PublishThread:
 
     DEPTH = 2  # one stretch decoding while the next waits: the loop never waits on the handover itself
     needs: tuple[str, ...] = ()
+    refines = True  # the super-resolution runs on the thread too: it is the same kind of small convolutions
 
     def __init__(self, stage: DecodePublish, sink: Sink, size: tuple[int, int], cores: CoreShare,
                  resume_at: Callable[[int], bool] = lambda block: True):
         self.stage, self.size, self.cores, self.resume_at = stage, size, cores, resume_at
         self.hashing = HashingSink(sink)
-        self.seconds: dict[str, float] = {"decode": 0.0, "decode_wait": 0.0}
+        self.seconds: dict[str, float] = {"sr": 0.0, "decode": 0.0, "decode_wait": 0.0}
         self._decode_state = RollingState()  # the decoder cache, the thread's from the first stretch on
         self._handed_cache = False
         self._todo: queue.Queue = queue.Queue()
@@ -158,7 +166,8 @@ class PublishThread:
     def clock(self) -> FrameClock:
         return self.hashing.clock
 
-    def publish(self, final: Final, next_chunk: int, state: RollingState) -> list[Stretch]:
+    def publish(self, final: Final, next_chunk: int, state: RollingState,
+                refine: Callable[[torch.Tensor], torch.Tensor] | None = None) -> list[Stretch]:
         state.published += final.frames
         if self._thread is None:
             self.cores.open()
@@ -178,7 +187,7 @@ class PublishThread:
         self._sent.append((next_chunk, state.published - final.frames,
                            RollingState(tensors, list(state.held), state.published), resumable))
         self.cores.lend()
-        self._todo.put(final)
+        self._todo.put((final, refine))
         return done
 
     def finish(self) -> list[Stretch]:
@@ -227,8 +236,9 @@ class PublishThread:
             if isinstance(msg, BaseException):
                 self._failed = msg
                 raise msg
-            digest, cache, seconds = msg
-            self.seconds["decode"] += seconds
+            digest, cache, sr_s, decode_s = msg
+            self.seconds["sr"] += sr_s
+            self.seconds["decode"] += decode_s
             next_chunk, start, state, resumable = self._sent.popleft()
             state.tensors.update(cache)
             done.append(Stretch(next_chunk, start, state.published, digest, state, resumable))
@@ -237,11 +247,15 @@ class PublishThread:
     def _main(self) -> None:
         self.cores.helper_thread()
         with torch.no_grad():  # grad mode is per thread
-            while (final := self._todo.get()) is not None:
+            while (item := self._todo.get()) is not None:
+                final, refine = item
                 t0 = time.perf_counter()
                 try:
+                    final = Final(final.start, final.end, refine(final.z))
+                    t1 = time.perf_counter()
                     self.stage.run(final, self._decode_state, self.hashing, self.size)
-                    msg = (self.hashing.take_digest(), dict(self._decode_state.tensors), time.perf_counter() - t0)
+                    msg = (self.hashing.take_digest(), dict(self._decode_state.tensors), t1 - t0,
+                           time.perf_counter() - t1)
                 except BaseException as e:  # raised in the loop; this thread decodes nothing more
                     self._done.put(e)
                     self.cores.returned()
