@@ -51,11 +51,11 @@ class Pipeline:
 
     def publish_on_thread(self, sink: Sink, size: tuple[int, int],
                           resume_at: Callable[[int], bool] = lambda block: True) -> PublishThread:
-        """runtime.decode: thread: this pipeline's decode on a thread of its own, into `sink`. The loop's steps share
-        the CPU threads with it (runtime/device.py CoreShare: one fewer for the loop while the decode works, checked
-        before each block of the loop's models)."""
+        """runtime.decode: thread: this pipeline's refine and decode on a thread of their own, into `sink`. The loop's
+        steps (context and audio-to-video) share the CPU threads with it (runtime/device.py CoreShare: one fewer for
+        the loop while the thread works, checked before each block of the loop's models)."""
         cores = CoreShare(torch.get_num_threads(),
-                          [m for step in (Step.context, Step.a2v, Step.sr) for m in self.steps.models(step).values()])
+                          [m for step in (Step.context, Step.a2v) for m in self.steps.models(step).values()])
         return PublishThread(self.publish, sink, size, cores, resume_at)
 
     def schedule(self, spec: JobSpec, total_frames: int) -> list[Chunk]:
