@@ -16,7 +16,7 @@ from avatar_cli.families.wan_s2v.family import WanS2VFamily
 from avatar_cli.job import resolve
 from avatar_cli.pipeline import checkpoint as ckpt
 from avatar_cli.report import QuietReporter
-from avatar_cli.runtime.device import CoreShare
+from avatar_cli.runtime.device import CoreShare, Runtime
 from avatar_cli.spec import load_job
 from avatar_cli.stages import decode_worker as dw
 from tests.conftest import write_wav
@@ -98,7 +98,11 @@ def test_a_decode_that_feeds_back_refuses_the_thread():
     clip = WanS2VFamily.__new__(WanS2VFamily)
     with pytest.raises(InputError, match="runtime.decode: thread: the wan-s2v family .* feeds back"):
         dw.check_setting("thread", clip)
-    dw.check_setting("thread", MiniFamily.__new__(MiniFamily))
+    mini = MiniFamily.__new__(MiniFamily)
+    dw.check_setting("thread", mini)
+    cpu = Runtime(torch.device("cpu"), torch.float32)
+    assert dw.choose("thread", mini, cpu) == ("thread", "asked for")
+    assert dw.choose("auto", mini, cpu)[0] == "inline"  # auto does not pick the thread (not measured to pay yet)
 
 
 def test_core_share_lends_a_thread_while_the_helper_works_and_takes_it_back_at_the_next_block():
