@@ -172,12 +172,16 @@ def resolve_parallel(job: Job, source: ModelSource, world_size: int) -> tuple[Sp
 
 
 def resolve_decode(job: Job, family, runtime: Runtime, parallel: Split) -> tuple[str, str]:
-    """`runtime.decode` for this family, device and split of the ranks -> ("inline" | "worker", why)."""
+    """`runtime.decode` for this family, device and split of the ranks -> ("inline" | "worker" | "thread", why)."""
     decode, why = decode_worker.choose(job.spec.runtime.decode.value, family, runtime)
-    if parallel == Split.steps and decode == "worker":  # rank 0 already decodes while the step ranks denoise
+    if parallel == Split.steps and decode in ("worker", "thread"):  # rank 0 already decodes while the others denoise
         return "inline", "the timestep pipeline's rank 0 is its decode process"
+    if decode == "thread" and runtime.is_cuda:
+        return "inline", "a CUDA device, whose decode does not compete with the DiT for CPU cores"
     if job.live and decode == "worker":
         return "inline", "a live session decodes in its own process"
+    if job.live and decode == "thread":
+        return "inline", "a live session reads each chunk's latency as its frames come out of the decode"
     return decode, why
 
 

@@ -81,6 +81,7 @@ class Decode(str, Enum):
     auto = "auto"
     inline = "inline"
     worker = "worker"
+    thread = "thread"
 
 
 class Reshard(str, Enum):
@@ -175,7 +176,8 @@ class RuntimeSpec:
     # auto: chosen per rank count and mode, said in one log line.
     parallel: Parallel = Parallel.auto
     # The VAE decode and the MP4 encoder: inline (in the render process) | worker (their own process, fed through a
-    # bounded shared-memory queue while the DiT goes on) | auto (worker where it pays, inline otherwise).
+    # bounded shared-memory queue while the DiT goes on) | thread (a thread of the render process on one CPU thread
+    # of its own while the DiT goes on, on the others; a file render) | auto (worker where it pays, else inline).
     decode: Decode = Decode.auto
     text_service: TextServiceSpec = field(default_factory=TextServiceSpec)
 

@@ -84,8 +84,7 @@ COMMENTS = {
                           "(docs/text-service.md)",
     "runtime.parallel": "several ranks: auto | sequence (Ulysses over heads) | steps (wan-s2v streaming: a rank per "
                         "step + 1)",
-    "runtime.decode": "auto | inline | worker (the VAE decode and MP4 encoder in their own process; "
-                      "docs/decode-worker.md)",
+    "runtime.decode": "auto | inline | worker (own process) | thread (own CPU thread); docs/decode-worker.md",
     "runtime.text_service.url": "`avatar serve text` at this URL (token: AVATAR_TEXT_TOKEN); null: encode here",
     "runtime.text_service.fallback": "service down or answering garbage: encode here with a note (false: exit 1)",
     "runtime.text_service.timeout_s": "seconds per request",

@@ -4,7 +4,9 @@ Each render runs in its own process (`avatar render --json`), so its peak RSS is
 the long render runs, its RSS, open file descriptors and threads are sampled once a second: they
 must stay flat. Figures are medians over repeats; ratios compare runs made in this same session.
 The short clip is also rendered on AVX2 kernels (AVX2_ENV: what an AVX2-only CPU runs, float32 under
-`runtime.dtype: auto`), and a live session is timed from process start to its `ready` event.
+`runtime.dtype: auto`), each also with `runtime.decode=thread` (the decode on a CPU thread of its own while the
+DiT goes on: THREAD, compared as the median of paired ratios), and a live session is timed from process start
+to its `ready` event.
 
     python bench/run.py [--short-s 30] [--long-s 600] [--repeats 3]
 """
@@ -30,6 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 WORK = ROOT / "bench" / "tmp"
 # torch's and oneDNN's kernels held to AVX2, as on a CPU without AVX-512 (no native bf16)
 AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+THREAD = ["runtime.decode=thread"]  # the variant measured against the default (inline on a CPU)
 
 
 def looped_speech(seconds: float, path: Path) -> Path:
@@ -84,6 +87,13 @@ def render(seconds: float, tag: str, overrides: list[str] = (), env: dict | None
     return done
 
 
+def paired(a: list[dict], b: list[dict]) -> str:
+    """a's realtime factor over b's, the median of the renders made back to back; whether their frames differ."""
+    ratio = statistics.median(x["rtf"] / y["rtf"] for x, y in zip(a, b))
+    same = len({r["frames_digest"] for r in a + b}) == 1
+    return f"{ratio:.3f} ({'same frames' if same else 'frames differ'})"
+
+
 class NullSink:
     def put(self, frames) -> None:
         pass
@@ -133,10 +143,12 @@ def main() -> None:
 
     machine, pk = describe(), peaks()
     print(f"machine: {machine}\npeaks (GFLOP/s): {pk}", flush=True)
-    shorts, avx2 = [], []
-    for i in range(args.repeats):  # alternated, so that a slow spell of a shared machine hits both alike
+    shorts, avx2, threads, avx2_threads = [], [], [], []
+    for i in range(args.repeats):  # alternated, so that a slow spell of a shared machine hits all alike
         shorts.append(render(args.short_s, f"short{i}", args.overrides))
+        threads.append(render(args.short_s, f"thread{i}", [*args.overrides, *THREAD]))
         avx2.append(render(args.short_s, f"avx2_{i}", args.overrides, AVX2_ENV))
+        avx2_threads.append(render(args.short_s, f"avx2_thread{i}", [*args.overrides, *THREAD], AVX2_ENV))
     time_to_ready(args.overrides)  # the first warms the disk cache
     ready = [time_to_ready(args.overrides) for _ in range(max(args.repeats, 5))]
     flops = stage_flops(WORK / f"speech_{int(args.short_s)}s.wav", args.overrides)
@@ -154,6 +166,10 @@ def main() -> None:
          ">= 2 (native bf16)" if shorts[0]["dtype"] == "bfloat16" else ">= 1.0"),
         (f"realtime factor ({args.short_s:g} s clip) on AVX2 kernels, {avx2[0]['dtype']}",
          f"{med('rtf', avx2):.2f}x", ">= 1.5"),
+        (f"realtime factor with {THREAD[0]}, {threads[0]['dtype']}; its / inline's (median of pairs)",
+         f"{med('rtf', threads):.2f}x; {paired(threads, shorts)}", ""),
+        (f"the same on AVX2 kernels, {avx2_threads[0]['dtype']}",
+         f"{med('rtf', avx2_threads):.2f}x; {paired(avx2_threads, avx2)}", ""),
         ("process start to a live session's `ready` (`audio=- -o -`, warm disk)",
          f"{statistics.median(ready):.2f} s ({min(ready):.2f}-{max(ready):.2f})", "<= 2 s"),
         (f"realtime factor ({args.long_s:g} s render)", f"{long['rtf']:.2f}x", ">= 1.0"),

@@ -103,7 +103,7 @@ CHOICES = [("video.codec", "h265", "auto, libx264, h264_nvenc"), ("runtime.devic
            ("runtime.reshard", "never", "per_block, per_stage"),
            ("runtime.shard", "sometimes", "auto, shard, replicate"),
            ("runtime.parallel", "tensor", "auto, sequence, steps"),
-           ("runtime.decode", "gpu", "auto, inline, worker"),
+           ("runtime.decode", "gpu", "auto, inline, worker, thread"),
            ("runtime.weights", "int4", "bf16, fp8, int8"),
            ("runtime.offload_host", "disk", "auto, pinned, mmap"),
            ("runtime.vae_dtype", "float16", "auto, float32, bfloat16"),

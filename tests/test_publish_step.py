@@ -38,6 +38,7 @@ class _Out:
     """A Publisher that decodes in this process ("vae"), one stretch per publish, and one more in flight at the end."""
 
     needs = ("vae",)
+    refines = False
 
     def __init__(self):
         self.first_put, self.seconds, self.got = None, {"decode_wait": 1.5}, []
@@ -74,3 +75,26 @@ def test_the_reference_reaches_super_resolution_and_stretches_are_reported():
     assert [(d.chunk.index, d.published) for d in done] == [(0, 4), (1, 4), (2, 8)]
     assert stats.frames == 8 and stats.ttff_s == 6.0
     assert stats.compute_s["decode_wait"] == 1.5 and {"sr", "decode"} <= set(stats.compute_s)
+
+
+class _RefiningOut(_Out):
+    """A Publisher that runs the refine step itself (stages/publish.py PublishThread), where it decodes."""
+
+    needs, refines = (), True
+
+    def publish(self, final, next_chunk, state, refine=None):
+        final.z = refine(final.z)
+        return super().publish(final, next_chunk, state)
+
+
+def test_a_publisher_that_refines_gets_the_latents_before_it_and_the_refine_with_the_reference():
+    sr, out, ref = _SR(), _RefiningOut(), {"ref_hi": torch.ones(1)}
+    stretches = []
+    timer = StageTimer(_Runtime())
+    publish = PublishStep(sr, out, ref, Placement(), timer, lambda _: None, stretches.append, t0=4.0)
+    state = RollingState()
+    state.held.append((0, 4, torch.ones(4, 2)))
+    publish(_chunk(0, 4), 1, state)
+    assert sr.refs == [ref] and torch.equal(out.got[0].z, torch.full((4, 2), 2.))  # refined once, by the publisher
+    assert "sr" not in timer.seconds  # the loop did not time a refine it did not run
+    assert [(s.start, s.end) for s in stretches] == [(0, 4)]

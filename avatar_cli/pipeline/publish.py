@@ -10,6 +10,8 @@ from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from typing import Any
 
+import torch
+
 from avatar_cli.media.sink import now
 from avatar_cli.families.base import Chunk, Final, RollingState, Step
 from avatar_cli.pipeline.events import ChunkDone, RenderStats, Stretch
@@ -40,21 +42,27 @@ class PublishStep:
         stage, timer, out = self.placement.stage, self.timer, self.out
         final = state.take_final(chunk.publish_to)
         if final is not None:
-            steps = self.steps
-            with timer(Step.sr), stage(steps.needs(Step.sr), then=out.needs or self.after):
-                z = steps.family.refine(steps.models(Step.sr), final.z, self.ref)
-                final = Final(final.start, final.end, z)
-            # A rank that writes nothing skips the decode (its frames would be thrown away), unless the family
-            # conditions later chunks on decoded frames: then every rank decodes, and only rank 0 keeps them. A
-            # decode worker decodes in its own process and hands back each stretch once written.
-            with ExitStack() as here:
-                if out.needs:  # the decode runs in this process
-                    here.enter_context(timer(Step.decode))
-                    here.enter_context(stage(out.needs, then=self.after))
-                stretches = out.publish(final, next_chunk, state)
+            if out.refines:  # it refines them where it decodes them (its `seconds` say how long)
+                stretches = out.publish(final, next_chunk, state, refine=self.refine)
+            else:
+                steps = self.steps
+                with timer(Step.sr), stage(steps.needs(Step.sr), then=out.needs or self.after):
+                    final = Final(final.start, final.end, self.refine(final.z))
+                # A rank that writes nothing skips the decode (its frames would be thrown away), unless the family
+                # conditions later chunks on decoded frames: then every rank decodes, and only rank 0 keeps them. A
+                # decode worker decodes in its own process and hands back each stretch once written.
+                with ExitStack() as here:
+                    if out.needs:  # the decode runs in this process
+                        here.enter_context(timer(Step.decode))
+                        here.enter_context(stage(out.needs, then=self.after))
+                    stretches = out.publish(final, next_chunk, state)
             for stretch in stretches:
                 self.on_stretch(stretch if resumable else replace(stretch, resumable=False))
         self.on_chunk(ChunkDone(chunk, now() - self.t0, state.published))
+
+    def refine(self, z: torch.Tensor) -> torch.Tensor:
+        """The family's refine step on final latents, with this job's reference in view."""
+        return self.steps.family.refine(self.steps.models(Step.sr), z, self.ref)
 
     def finish(self, frames: int) -> RenderStats:
         """Wait for the stretches in flight and report them; the render's stats, `frames` published."""

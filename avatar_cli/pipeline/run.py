@@ -16,12 +16,12 @@ from avatar_cli.pipeline.events import ChunkDone, RenderStats, ResumeFrom, Stret
 from avatar_cli.pipeline.publish import PublishStep
 from avatar_cli.pipeline.steps import every_block, run_steps
 from avatar_cli.prompts.cache import PromptCache
-from avatar_cli.runtime.device import Runtime
+from avatar_cli.runtime.device import CoreShare, Runtime
 from avatar_cli.runtime.distributed import Dist
 from avatar_cli.runtime.placement import Placement
 from avatar_cli.spec import JobSpec
 from avatar_cli.stages.base import StageTimer, Steps
-from avatar_cli.stages.publish import DecodePublish, Publisher, PublishHere
+from avatar_cli.stages.publish import DecodePublish, Publisher, PublishHere, PublishThread
 from avatar_cli.stages.prompt import PromptEncode
 
 
@@ -48,6 +48,15 @@ class Pipeline:
         """The inline Publisher: this pipeline's decode into `sink` at `size` (width, height); None: a rank that
         writes nothing."""
         return PublishHere(self.publish, sink, size)
+
+    def publish_on_thread(self, sink: Sink, size: tuple[int, int],
+                          resume_at: Callable[[int], bool] = lambda block: True) -> PublishThread:
+        """runtime.decode: thread: this pipeline's refine and decode on a thread of their own, into `sink`. The loop's
+        steps (context and audio-to-video) share the CPU threads with it (runtime/device.py CoreShare: one fewer for
+        the loop while the thread works, checked before each block of the loop's models)."""
+        cores = CoreShare(torch.get_num_threads(),
+                          [m for step in (Step.context, Step.a2v) for m in self.steps.models(step).values()])
+        return PublishThread(self.publish, sink, size, cores, resume_at)
 
     def schedule(self, spec: JobSpec, total_frames: int) -> list[Chunk]:
         """The chunk plan. spec.chunking.transitions is a bool: job.resolve resolved `auto` (a plan refuses it)."""

@@ -106,6 +106,9 @@ def _writer(p: ResolvedJob, job: Opened, built: Built, start: Continue, fingerpr
                               resume_at=copies, vae_dtype=spec.runtime.vae_dtype.value)
         reporter.info(f"decode: worker ({p.decode_why}), pid {worker.pid} on {worker.device}")
         return worker, worker
+    if p.decode == Decode.thread:
+        reporter.info(f"decode: thread ({p.decode_why})")
+        return pipeline.publish_on_thread(Mp4Writer(p.job.partial_output, **args), p.size, copies), None
     if p.decode_why != "asked for":  # auto chose it, or the timestep pipeline
         reporter.info(f"decode: inline ({p.decode_why})")
     return pipeline.publish_to(Mp4Writer(p.job.partial_output, **args), p.size), None

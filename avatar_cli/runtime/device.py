@@ -1,10 +1,12 @@
 """Where and in what precision the models run."""
 
-from collections.abc import Iterator
+import threading
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from avatar_cli.errors import InputError
 
@@ -94,6 +96,69 @@ def one_cpu_thread(on: bool = True) -> Iterator[None]:
     finally:
         if on:
             torch.set_num_threads(before)
+
+
+class CoreShare:
+    """The CPU threads of one process shared by its render loop and a helper thread (the decode, runtime.decode:
+    thread): while the helper has work it computes on one thread and the loop on the others; while it is idle the
+    loop has them all.
+
+    torch's intra-op count is per thread (OpenMP's nthreads is a per-thread setting, and oneDNN reads it on every
+    call), so each side sets its own. The helper takes one thread for its whole life (`helper_thread`); the loop's
+    count follows the helper's work: `lend` (the loop, handing work over) and `returned` (the helper, done with it)
+    count the work in flight, and `sync`, called by the loop's thread, sets its count from that. From `open` to
+    `close`, `sync` runs before each block of the loop's models (`models`: forward pre-hooks), so the loop takes
+    the second core back within a block of the helper's finishing, not at the next chunk. The values computed are the
+    same on any thread count where every kernel splits its outputs, not its sums, over threads (the mini renders'
+    digests are the same at 1 and 2 threads: tests/test_decode_thread.py)."""
+
+    def __init__(self, threads: int, models: Iterable[nn.Module] = ()):
+        self.threads = threads  # the loop's count with the helper idle (the job's)
+        self.models = list(models)
+        self.owner = threading.get_ident()  # the loop's thread: the one that may `sync`
+        self._lock = threading.Lock()
+        self._lent = 0  # pieces of work handed to the helper and not finished
+        self._now = torch.get_num_threads()
+        self._hooks: list = []
+
+    def helper_thread(self) -> None:
+        """Called first in the helper thread: it computes on one thread."""
+        torch.set_num_threads(1)
+
+    def lend(self) -> None:
+        with self._lock:
+            self._lent += 1
+        self.sync()
+
+    def returned(self) -> None:
+        with self._lock:
+            self._lent -= 1
+
+    def sync(self) -> None:
+        """The loop's thread count for now: one fewer while the helper works (at least one). Other threads: no-op."""
+        if threading.get_ident() != self.owner:
+            return
+        want = max(1, self.threads - 1) if self._lent > 0 else self.threads
+        if want != self._now:
+            torch.set_num_threads(want)
+            self._now = want
+
+    def open(self) -> None:
+        """`sync` before each of the loop's models and each of their blocks (their children, and the members of
+        their ModuleLists and Sequentials) runs, until `close`."""
+        for model in self.models:
+            for name, m in model.named_modules():
+                if name.count(".") <= 1:  # the model, its children, and a list's members (blocks.0)
+                    self._hooks.append(m.register_forward_pre_hook(lambda *_: self.sync()))
+
+    def close(self) -> None:
+        """Remove the hooks and give the loop's thread its whole count back."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        with self._lock:
+            self._lent = 0
+        self.sync()
 
 
 def resolve_runtime(device: str, dtype: str, threads: int = 0) -> Runtime:

@@ -90,8 +90,8 @@ def spill(tensors: Mapping[str, torch.Tensor], folder: Path) -> dict[str, torch.
 
 def check_setting(setting: str, family: Family) -> None:
     """Raise InputError for a decode setting this family cannot run (called at prepare, before any load)."""
-    if setting == "worker" and family.decode_feeds_back:
-        raise InputError(f"runtime.decode: worker: the {family.name} family conditions later chunks on decoded "
+    if setting in ("worker", "thread") and family.decode_feeds_back:
+        raise InputError(f"runtime.decode: {setting}: the {family.name} family conditions later chunks on decoded "
                          "frames (its decode feeds back), so its decode cannot run apart from the DiT; use inline "
                          "or auto")
 
@@ -190,6 +190,7 @@ class DecodeWorker:
     `seconds` gives the worker's decode seconds and this process's seconds blocked on it."""
 
     needs: tuple[str, ...] = ()
+    refines = False
 
     def __init__(self, source: Any, runtime: Runtime, world_size: int, writer_path: str, writer_args: dict,
                  size: tuple[int, int], threads: int | None = None,

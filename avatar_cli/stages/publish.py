@@ -1,10 +1,16 @@
 """Decode and publish: VAE-decode final latents in timeline order and hand the frames to a Sink.
 
 Step 4 of the chunk loop goes through a `Publisher`: final latents in, published stretches (with their digests)
-out. `PublishHere` decodes in this process (the DecodePublish stage) into a Sink; the decode worker
-(stages/decode_worker.py) decodes in a process of its own. The loop never asks which one it has.
+out. `PublishHere` decodes in this process (the DecodePublish stage) into a Sink, `PublishThread` the same on a
+thread of its own while the loop goes on; the decode worker (stages/decode_worker.py) decodes in a process of its
+own. The loop never asks which one it has.
 """
 
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -13,6 +19,7 @@ import torch.nn.functional as F
 from avatar_cli.families.base import Final, RollingState, Step
 from avatar_cli.media.sink import EMPTY_DIGEST, FrameClock, HashingSink, Sink
 from avatar_cli.pipeline.events import Stretch
+from avatar_cli.runtime.device import CoreShare
 from avatar_cli.stages.base import Stage
 
 
@@ -56,15 +63,20 @@ class Publisher(Protocol):
     needs: the components `publish` runs in this process (none: it decodes elsewhere, or not at all); the loop
     brings them onto the device around it and times it as the decode step. first_put: when the first
     frame reached the Sink (media/sink.py `now()`) (None: none yet). seconds: compute seconds it measured itself, added to the loop's.
+    refines: False: `publish` is handed refined latents (the loop ran the family's refine step); True: the latents
+    before it, with `refine` (the family's refine step bound to this job's models and reference) to run itself.
     """
 
     needs: tuple[str, ...]
     first_put: float | None
     seconds: dict[str, float]
+    refines: bool
 
-    def publish(self, final: Final, next_chunk: int, state: RollingState) -> list[Stretch]:
-        """Publish `final` (refined latents; `state.published` counts it after this); returns the stretches whose
-        frames are now in the Sink, each with the rolling state to resume after it (the ones in flight come later)."""
+    def publish(self, final: Final, next_chunk: int, state: RollingState,
+                refine: Callable[[torch.Tensor], torch.Tensor] | None = None) -> list[Stretch]:
+        """Publish `final` (refined latents unless `refines`; `state.published` counts it after this); returns the
+        stretches whose frames are now in the Sink, each with the rolling state to resume after it (the ones in
+        flight come later). refine: given when `refines`, z_lo -> z_hi."""
         ...
 
     def finish(self) -> list[Stretch]: ...  # wait for every stretch in flight; their Stretches, in order
@@ -84,6 +96,7 @@ class PublishHere:
         self.decodes = sink is not None or stage.family.decode_feeds_back
         self.needs = stage.needs if self.decodes else ()
         self.seconds: dict[str, float] = {}
+        self.refines = False
 
     @property
     def first_put(self) -> float | None:
@@ -109,3 +122,143 @@ class PublishHere:
 
     def abort(self) -> object:
         return self.hashing.abort() if self.hashing is not None else None
+
+
+class PublishThread:
+    """The DecodePublish stage on a thread of this process (runtime.decode: thread), into `sink`: the loop hands
+    each stretch over and goes on with the next chunk while the thread decodes it, on one CPU thread of its own
+    (`cores`, runtime/device.py CoreShare: the loop computes on the other threads meanwhile, on all of them again
+    once the thread is idle). It runs the family's refine step (the super-resolution) before the decode, so the
+    loop hands it the latents as the DiT left them. On a small CPU this overlaps two streams of small ops, each on
+    its own core, where both on two threads would spend much of their time waking and joining the pool.
+
+    As the decode worker (stages/decode_worker.py) does, it keeps the decoder's cache (the state tensors
+    `family.is_decode_state` names) on its own side from the first stretch on, hands back each stretch once its
+    frames are in the Sink, with the loop's rolling state as it was when the stretch was handed over (a copy, where
+    a resume point may follow: `resume_at(block)`) plus the decoder cache after it, and holds at most DEPTH
+    stretches in flight. An error in the thread is raised in the loop at its next call. `needs` is empty: nothing
+    moves onto the device for it, and the loop does not time it; `seconds` says the thread's decode seconds and the
+    loop's seconds blocked on it."""
+
+    DEPTH = 2  # one stretch decoding while the next waits: the loop never waits on the handover itself
+    needs: tuple[str, ...] = ()
+    refines = True  # the super-resolution runs on the thread too: it is the same kind of small convolutions
+
+    def __init__(self, stage: DecodePublish, sink: Sink, size: tuple[int, int], cores: CoreShare,
+                 resume_at: Callable[[int], bool] = lambda block: True):
+        self.stage, self.size, self.cores, self.resume_at = stage, size, cores, resume_at
+        self.hashing = HashingSink(sink)
+        self.seconds: dict[str, float] = {"sr": 0.0, "decode": 0.0, "decode_wait": 0.0}
+        self._decode_state = RollingState()  # the decoder cache, the thread's from the first stretch on
+        self._handed_cache = False
+        self._todo: queue.Queue = queue.Queue()
+        self._done: queue.Queue = queue.Queue()
+        self._sent: deque[tuple[int, int, RollingState, bool]] = deque()  # (next_chunk, start, state, resumable)
+        self._failed: BaseException | None = None
+        self._stopped = False
+        self._thread: threading.Thread | None = None  # started with the first stretch
+
+    @property
+    def first_put(self) -> float | None:
+        return self.hashing.first_put
+
+    @property
+    def clock(self) -> FrameClock:
+        return self.hashing.clock
+
+    def publish(self, final: Final, next_chunk: int, state: RollingState,
+                refine: Callable[[torch.Tensor], torch.Tensor] | None = None) -> list[Stretch]:
+        state.published += final.frames
+        if self._thread is None:
+            self.cores.open()
+            self._thread = threading.Thread(target=self._main, name="avatar-decode", daemon=True)
+            self._thread.start()
+        if not self._handed_cache:  # a resumed render's decoder cache: the thread's from now on
+            own = [k for k in state.tensors if self.stage.family.is_decode_state(k)]
+            self._decode_state.tensors.update({k: state.tensors.pop(k) for k in own})
+            self._handed_cache = True
+        done = self._collect(block=False)
+        while len(self._sent) >= self.DEPTH:
+            done += self._collect(block=True)
+        resumable = self.resume_at(next_chunk - 1)
+        # The loop goes on changing its state: what a resume point after this stretch needs is kept as it is now.
+        tensors = {k: v.detach().to("cpu", copy=True) for k, v in state.tensors.items() if v is not None} \
+            if resumable else {}
+        self._sent.append((next_chunk, state.published - final.frames,
+                           RollingState(tensors, list(state.held), state.published), resumable))
+        self.cores.lend()
+        self._todo.put((final, refine))
+        return done
+
+    def finish(self) -> list[Stretch]:
+        done = []
+        while self._sent:
+            done += self._collect(block=True)
+        return done
+
+    def close(self) -> object:
+        self.finish()
+        self._stop()
+        return self.hashing.close()
+
+    def abort(self) -> object:
+        """After a failure: the stretches not yet decoded are dropped; the Sink keeps what it has."""
+        while True:
+            try:
+                self._todo.get_nowait()
+                self.cores.returned()
+            except queue.Empty:
+                break
+        self._stop()
+        return self.hashing.abort()
+
+    def _stop(self) -> None:
+        if not self._stopped and self._thread is not None:
+            self._todo.put(None)
+            self._thread.join()
+            self.cores.close()
+        self._stopped = True
+
+    def _collect(self, block: bool) -> list[Stretch]:
+        """The stretches the thread finished (waiting for one when `block`), in order; raises the thread's error."""
+        done = []
+        while self._sent:
+            if self._failed is not None:
+                raise self._failed
+            t0 = time.perf_counter()
+            try:
+                msg = self._done.get(timeout=None) if block and not done else self._done.get_nowait()
+            except queue.Empty:
+                break
+            finally:
+                self.seconds["decode_wait"] += time.perf_counter() - t0 if block and not done else 0.0
+            self.cores.sync()
+            if isinstance(msg, BaseException):
+                self._failed = msg
+                raise msg
+            digest, cache, sr_s, decode_s = msg
+            self.seconds["sr"] += sr_s
+            self.seconds["decode"] += decode_s
+            next_chunk, start, state, resumable = self._sent.popleft()
+            state.tensors.update(cache)
+            done.append(Stretch(next_chunk, start, state.published, digest, state, resumable))
+        return done
+
+    def _main(self) -> None:
+        self.cores.helper_thread()
+        with torch.no_grad():  # grad mode is per thread
+            while (item := self._todo.get()) is not None:
+                final, refine = item
+                t0 = time.perf_counter()
+                try:
+                    final = Final(final.start, final.end, refine(final.z))
+                    t1 = time.perf_counter()
+                    self.stage.run(final, self._decode_state, self.hashing, self.size)
+                    msg = (self.hashing.take_digest(), dict(self._decode_state.tensors), t1 - t0,
+                           time.perf_counter() - t1)
+                except BaseException as e:  # raised in the loop; this thread decodes nothing more
+                    self._done.put(e)
+                    self.cores.returned()
+                    return
+                self.cores.returned()
+                self._done.put(msg)
