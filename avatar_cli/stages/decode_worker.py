@@ -190,6 +190,7 @@ class DecodeWorker:
     `seconds` gives the worker's decode seconds and this process's seconds blocked on it."""
 
     needs: tuple[str, ...] = ()
+    held: int = 0  # nothing is held back between the decode and the MP4 (frame super-resolution runs inline)
 
     def __init__(self, source: Any, runtime: Runtime, world_size: int, writer_path: str, writer_args: dict,
                  size: tuple[int, int], threads: int | None = None,
@@ -232,7 +233,7 @@ class DecodeWorker:
         state.published += final.frames
         return self.submit(final, next_chunk, state)
 
-    def finish(self) -> list[Stretch]:
+    def finish(self, state: RollingState) -> list[Stretch]:
         return self.drain()
 
     @property

@@ -14,6 +14,7 @@ from avatar_cli.families.base import Final, RollingState, Step
 from avatar_cli.media.sink import EMPTY_DIGEST, FrameClock, HashingSink, Sink
 from avatar_cli.pipeline.events import Stretch
 from avatar_cli.stages.base import Stage
+from avatar_cli.stages.sr import FrameSR
 
 
 def fit_frames(x: torch.Tensor, width: int, height: int) -> torch.Tensor:
@@ -32,20 +33,28 @@ def fit_frames(x: torch.Tensor, width: int, height: int) -> torch.Tensor:
     return out
 
 
+def to_sink(x: torch.Tensor, sink: Sink) -> None:
+    """x (t, 3, H, W) in [-1, 1] at the output size -> uint8 frames into the Sink."""
+    if len(x):
+        frames = ((x.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1)  # (t, H, W, 3)
+        sink.put(frames.cpu().numpy())
+
+
 class DecodePublish(Stage):
     step = Step.decode
 
-    def run(self, final: Final, state: RollingState, sink: Sink | None, size: tuple[int, int]) -> int:
-        """final: consecutive final latents; the decoder's cache carries in `state`. Returns frames published.
+    def run(self, final: Final, state: RollingState, sink: Sink | None, size: tuple[int, int],
+            sr: FrameSR | None = None) -> int:
+        """final: consecutive final latents; the decoder's cache carries in `state`. Returns frames decoded.
         sink None: decode for the rolling state only (a rank that writes nothing, of a family whose later chunks
-        are conditioned on decoded frames)."""
+        are conditioned on decoded frames). sr: the frames go through frame super-resolution on their way to the
+        Sink (fitted to its input size first; it may hold some back: FrameSR.held)."""
 
         def put(x: torch.Tensor) -> None:  # x (t, 3, h, w) in [-1, 1]
             if sink is None:
                 return
-            x = fit_frames(x.float(), *size)  # (t, 3, height, width)
-            frames = ((x.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1)  # (t, H, W, 3)
-            sink.put(frames.cpu().numpy())
+            x = fit_frames(x.float(), *(sr.plan.lq if sr is not None else size))  # (t, 3, height, width)
+            to_sink(sr.push(x) if sr is not None else x, sink)  # (t', 3, H, W)
 
         return self.family.decode(self.models, final, state, put)
 
@@ -56,18 +65,25 @@ class Publisher(Protocol):
     needs: the components `publish` runs in this process (none: it decodes elsewhere, or not at all); the loop
     brings them onto the device around it and times it as the decode step. first_put: when the first
     frame reached the Sink (media/sink.py `now()`) (None: none yet). seconds: compute seconds it measured itself, added to the loop's.
+    held: frames decoded but not yet in the Sink (frame super-resolution holds some back until it knows more come).
+
+    Stretches count the frames that reached the Sink (`state.published`), which lag the decoded ones by `held`.
     """
 
     needs: tuple[str, ...]
     first_put: float | None
     seconds: dict[str, float]
+    held: int
 
     def publish(self, final: Final, next_chunk: int, state: RollingState) -> list[Stretch]:
         """Publish `final` (refined latents; `state.published` counts it after this); returns the stretches whose
         frames are now in the Sink, each with the rolling state to resume after it (the ones in flight come later)."""
         ...
 
-    def finish(self) -> list[Stretch]: ...  # wait for every stretch in flight; their Stretches, in order
+    def finish(self, state: RollingState) -> list[Stretch]:
+        """At the end: wait for every stretch in flight and put what is held back into the Sink (`state`, the
+        last published one's, counts it); their Stretches, in order."""
+        ...
 
     def close(self) -> object: ...  # finish the Sink
 
@@ -76,14 +92,18 @@ class Publisher(Protocol):
 
 class PublishHere:
     """The DecodePublish stage in this process, into `sink` (None: a rank that writes nothing; it decodes only
-    when the family conditions later chunks on decoded frames, and then only for the rolling state)."""
+    when the family conditions later chunks on decoded frames, and then only for the rolling state). sr: frame
+    super-resolution between the decode and the Sink (only where there is a Sink); its state goes into the rolling
+    state after each stretch."""
 
-    def __init__(self, stage: DecodePublish, sink: Sink | None, size: tuple[int, int]):
+    def __init__(self, stage: DecodePublish, sink: Sink | None, size: tuple[int, int], sr: FrameSR | None = None):
         self.stage, self.size = stage, size
         self.hashing = HashingSink(sink) if sink is not None else None
+        self.sr = sr if sink is not None else None
         self.decodes = sink is not None or stage.family.decode_feeds_back
         self.needs = stage.needs if self.decodes else ()
         self.seconds: dict[str, float] = {}
+        self._next_chunk = 0
 
     @property
     def first_put(self) -> float | None:
@@ -95,14 +115,33 @@ class PublishHere:
     def clock(self) -> FrameClock | None:
         return self.hashing.clock if self.hashing is not None else None
 
-    def publish(self, final: Final, next_chunk: int, state: RollingState) -> list[Stretch]:
-        n = self.stage.run(final, state, self.hashing, self.size) if self.decodes else final.frames
-        state.published += n
-        digest = self.hashing.take_digest() if self.hashing is not None else EMPTY_DIGEST
-        return [Stretch(next_chunk, state.published - n, state.published, digest, state)]
+    @property
+    def held(self) -> int:
+        return self.sr.held if self.sr is not None else 0
 
-    def finish(self) -> list[Stretch]:
-        return []
+    def publish(self, final: Final, next_chunk: int, state: RollingState) -> list[Stretch]:
+        self._next_chunk = next_chunk
+        if self.sr is not None:
+            self.sr.resume(state)
+        held = self.held
+        n = self.stage.run(final, state, self.hashing, self.size, self.sr) if self.decodes else final.frames
+        return [self._stretch(n + held - self.held, state)]
+
+    def finish(self, state: RollingState) -> list[Stretch]:
+        if self.sr is None or self.hashing is None:
+            return []
+        held = self.held
+        with torch.no_grad():
+            to_sink(self.sr.finish(), self.hashing)  # (held, 3, H, W)
+        return [self._stretch(held - self.held, state)]
+
+    def _stretch(self, n: int, state: RollingState) -> Stretch:
+        """The n frames just put into the Sink; with SR, its state (held frames included) into `state`."""
+        state.published += n
+        if self.sr is not None:
+            self.sr.keep(state)
+        digest = self.hashing.take_digest() if self.hashing is not None else EMPTY_DIGEST
+        return Stretch(self._next_chunk, state.published - n, state.published, digest, state)
 
     def close(self) -> object:
         return self.hashing.close() if self.hashing is not None else None
