@@ -52,3 +52,72 @@ def test_a_render_with_sr_is_at_the_scaled_size_with_every_frame(job_dir: Path, 
     small = frames_of(plain).astype(np.float32)
     down = video.astype(np.float32).reshape(FRAMES, 64, 2, 64, 2, 3).mean(axis=(2, 4))
     assert np.abs(down - small).mean() < 12
+
+
+class StopAt:
+    """A reporter that interrupts the render after `n` chunks, as Ctrl-C would (the partial file and its
+    checkpoint stay)."""
+
+    def __init__(self, n: int):
+        self.n, self.seen, self.lines = n, 0, []
+
+    def chunk(self, **_) -> None:
+        self.seen += 1
+        if self.seen == self.n:
+            raise KeyboardInterrupt
+
+    def info(self, message: str) -> None:
+        self.lines.append(message)
+
+    def start(self, **_) -> None:
+        pass
+
+
+def test_an_interrupted_render_with_sr_resumes_bit_identically(job_dir: Path, sr_dir: Path, toy):
+    from safetensors.torch import load_file
+
+    from avatar_cli import render as rendering
+    from avatar_cli.job import resolve
+    from avatar_cli.pipeline import checkpoint
+    from avatar_cli.spec import load_job
+
+    write_wav(job_dir / "long.wav", 6.0)  # 150 frames, 10 N chunks: SR chunks of 28 and 24 cut across them
+    args = [f"sr.model={sr_dir}", f"audio={job_dir / 'long.wav'}", "chunking.transitions=false"]
+    whole = render(job_dir, *args, "-o", str(job_dir / "whole.mp4"))
+    assert whole.returncode == 0, whole.stderr
+
+    job = load_job(job_dir / "job.yaml", args)
+    with pytest.raises(KeyboardInterrupt) as stopped:
+        rendering.render(resolve(job), StopAt(7), resume="auto")
+    assert stopped.value.kept_partial
+    found = checkpoint.load_checkpoint(job.partial_output)
+    states = [load_file(str(job.output.parent / pt.state_file)) for pt in found.points]
+    assert any(len(s["sr.pending"]) for s in states)  # points taken while SR held decoded frames back
+
+    resumed = render(job_dir, *args)
+    assert resumed.returncode == 0, resumed.stderr
+    done = events(resumed.stdout)[-1]
+    assert done["resumed_at"] > 0 and done["frames"] == 150
+    assert done["frames_digest"] == events(whole.stdout)[-1]["frames_digest"]
+    assert frames_of(job.output).shape == (150, 128, 128, 3)
+
+
+def test_the_sr_model_and_scale_are_part_of_the_resume_fingerprint(job_dir: Path, sr_dir: Path, tmp_path: Path,
+                                                                  toy):
+    from avatar_cli.pipeline.fingerprint import describe_change, job_fingerprint
+    from avatar_cli.job import resolve
+    from avatar_cli.spec import load_job
+
+    def fingerprint(*overrides: str) -> dict[str, str]:
+        job = load_job(job_dir / "job.yaml", list(overrides))
+        return job_fingerprint(job, resolve(job).model)
+
+    plain = fingerprint()
+    assert "sr" not in plain  # a job without SR digests as before the keys existed
+    x2 = fingerprint(f"sr.model={sr_dir}")
+    other = toy_sr.init_tiny(tmp_path / "other", seed=1)
+    assert describe_change(plain, x2) == "the job spec, the super-resolution model or scale"
+    assert describe_change(x2, fingerprint(f"sr.model={sr_dir}", "sr.scale=4")) == \
+        "the job spec, the super-resolution model or scale"
+    assert describe_change(x2, fingerprint(f"sr.model={other}")) is not None
+    assert describe_change(x2, fingerprint(f"sr.model={sr_dir}")) is None
