@@ -121,3 +121,24 @@ def test_the_sr_model_and_scale_are_part_of_the_resume_fingerprint(job_dir: Path
         "the job spec, the super-resolution model or scale"
     assert describe_change(x2, fingerprint(f"sr.model={other}")) is not None
     assert describe_change(x2, fingerprint(f"sr.model={sr_dir}")) is None
+
+
+def test_a_live_session_with_sr_makes_the_renders_frames_and_reports_what_sr_holds(job_dir: Path, sr_dir: Path,
+                                                                                   tmp_path: Path, toy):
+    """The session chunks as the render (live.chunk_frames = chunking.frames in this job); SR holds at most one
+    of its chunks (28 input frames, then 24) behind the decode, and each chunk event says how many."""
+    file = render(job_dir, f"sr.model={sr_dir}", "-o", str(tmp_path / "file.mp4"))
+    assert file.returncode == 0, file.stderr
+    playlist = tmp_path / "hls" / "live.m3u8"
+    live = render(job_dir, f"sr.model={sr_dir}", "-o", str(playlist), "live.realtime=false")
+    assert live.returncode == 0, live.stderr
+    evs = events(live.stdout)
+    assert evs[0]["event"] == "ready" and evs[0]["size"] == [128, 128]
+    done = evs[-1]
+    assert done["frames"] == FRAMES and done["frames_digest"] == events(file.stdout)[-1]["frames_digest"]
+    chunks = [e for e in evs if e["event"] == "chunk"]
+    held = [e["sr_held"] for e in chunks]
+    assert max(held) <= toy_sr.FIRST and held[0] == 16  # N0's 16 frames wait for SR's first chunk of 28
+    assert chunks[0]["published"] == 0 and chunks[-1]["published"] + held[-1] == FRAMES
+    with av.open(str(playlist)) as c:
+        assert sum(1 for _ in c.decode(video=0)) == FRAMES
