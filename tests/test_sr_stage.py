@@ -142,3 +142,30 @@ def test_a_live_session_with_sr_makes_the_renders_frames_and_reports_what_sr_hol
     assert chunks[0]["published"] == 0 and chunks[-1]["published"] + held[-1] == FRAMES
     with av.open(str(playlist)) as c:
         assert sum(1 for _ in c.decode(video=0)) == FRAMES
+
+
+@pytest.fixture(scope="module")
+def wan_job(tmp_path_factory) -> Path:
+    """A job of the tiny wan-s2v model (its official layout, random weights), 2.5 s of audio: 40 frames at 16 fps."""
+    from avatar_cli.families.registry import init_family_dir
+    from tests.conftest import write_reference
+
+    folder = tmp_path_factory.mktemp("wan_sr")
+    wan = folder / "Wan2.2-S2V-tiny"
+    init_family_dir(wan, "tiny", seed=0, family="wan-s2v")
+    write_reference(folder / "ref.png")
+    write_wav(folder / "speech.wav", 2.5)
+    (folder / "job.yaml").write_text(
+        f"reference: ref.png\naudio: speech.wav\noutput: out/video.mp4\nmodel: {wan}\nprompt: a person talking\n"
+        "seed: 3\nvideo: {width: 80, height: 64}\nsampling: {steps: 2}\n")
+    return folder
+
+
+@pytest.mark.parametrize("mode", ["clip", "streaming"])
+def test_wan_s2v_with_sr_through_the_cli(wan_job: Path, sr_dir: Path, mode: str, toy):
+    """Both wan-s2v modes: the MP4 at the generated size times the scale, every frame of the family's there."""
+    out = wan_job / f"{mode}.mp4"
+    result = render(wan_job, f"mode={mode}", f"sr.model={sr_dir}", "-o", str(out))
+    assert result.returncode == 0, result.stderr
+    assert events(result.stdout)[-1]["frames"] == 40
+    assert frames_of(out).shape == (40, 128, 160, 3)  # 80 x 64, x2
