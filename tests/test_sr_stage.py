@@ -169,3 +169,48 @@ def test_wan_s2v_with_sr_through_the_cli(wan_job: Path, sr_dir: Path, mode: str,
     assert result.returncode == 0, result.stderr
     assert events(result.stdout)[-1]["frames"] == 40
     assert frames_of(out).shape == (40, 128, 160, 3)  # 80 x 64, x2
+
+
+def test_bad_sr_input_is_exit_2_naming_it_with_nothing_written(job_dir: Path, sr_dir: Path, tmp_path: Path, toy):
+    import shutil
+
+    from safetensors.torch import save_file
+    import torch
+
+    def refused(*overrides: str) -> str:
+        r = render(job_dir, *overrides)
+        assert r.returncode == 2, (overrides, r.stdout, r.stderr)
+        assert not (job_dir / "out").exists()  # nothing written at the output path, not even its folder
+        assert "Traceback" not in r.stderr
+        return events(r.stdout)[-1]["message"]
+
+    assert "no such folder" in refused(f"sr.model={tmp_path / 'absent'}")
+    (tmp_path / "empty").mkdir()
+    assert "not a SwiftVR model directory" in refused(f"sr.model={tmp_path / 'empty'}")
+    other = shutil.copytree(sr_dir, tmp_path / "other")
+    save_file({"blocks.0.weight": torch.zeros(8, 8), "head.weight": torch.zeros(3, 8)}, str(other / "dit.safetensors"))
+    assert "a transformer of another model" in refused(f"sr.model={other}")
+    pickled = shutil.copytree(sr_dir, tmp_path / "pickled")
+    (pickled / "dit.pth").write_bytes(b"\x80\x04K\x00.")
+    assert "pickle" in refused(f"sr.model={pickled}")
+    message = refused(f"sr.model={sr_dir}", "sr.scale=3")
+    assert message.startswith("sr.scale: 3") and "x2 or x4" in message
+    assert "sr.scale must be a positive" in refused(f"sr.model={sr_dir}", "sr.scale=0")
+    assert "sr.model" in refused(f"sr.model={sr_dir}", "runtime.decode=worker")
+    assert "at most 8192" in refused(f"sr.model={sr_dir}", "sr.scale=4", "video.width=4096", "video.height=4096")
+
+
+def test_runtime_weights_quantize_the_sr_dits_linears(sr_dir: Path, toy):
+    """int8: the SR DiT's block Linears hold int8 weights, and its output stays near the float one."""
+    import torch
+
+    from avatar_cli.runtime.quantize import format_of
+    from avatar_cli.stages.sr import SRPlan, load_models
+
+    plan = SRPlan(sr_dir, 2, (16, 16), (32, 32))
+    cpu = torch.device("cpu")
+    full, int8 = load_models(plan, cpu, torch.float32), load_models(plan, cpu, torch.float32, "int8")
+    assert format_of(full.dit.blocks[0].weight) == "bf16" and format_of(int8.dit.blocks[0].weight) == "int8"
+    x = torch.rand(2, 3, 32, 32)
+    a, b = full.dit(x), int8.dit(x)  # (2, 3, 32, 32)
+    assert not torch.equal(a, b) and (a - b).abs().max() < 0.05
