@@ -53,6 +53,12 @@ def test_a_render_with_sr_is_at_the_scaled_size_with_every_frame(job_dir: Path, 
     down = video.astype(np.float32).reshape(FRAMES, 64, 2, 64, 2, 3).mean(axis=(2, 4))
     assert np.abs(down - small).mean() < 12
 
+    # video.width/height size the frames SR reads (mini fits its 64 x 64 to them); SR rounds its output as it needs.
+    fitted = job_dir / "fitted.mp4"
+    result = render(job_dir, f"sr.model={sr_dir}", "video.width=96", "video.height=54", "-o", str(fitted))
+    assert result.returncode == 0, result.stderr
+    assert frames_of(fitted).shape == (FRAMES, 112, 192, 3)  # 108 rounded up to a multiple of 8
+
 
 class StopAt:
     """A reporter that interrupts the render after `n` chunks, as Ctrl-C would (the partial file and its
@@ -214,3 +220,17 @@ def test_runtime_weights_quantize_the_sr_dits_linears(sr_dir: Path, toy):
     x = torch.rand(2, 3, 32, 32)
     a, b = full.dit(x), int8.dit(x)  # (2, 3, 32, 32)
     assert not torch.equal(a, b) and (a - b).abs().max() < 0.05
+
+
+def test_a_render_with_int8_weights_quantizes_the_sr_model_it_loads(job_dir: Path, sr_dir: Path, monkeypatch, toy):
+    from avatar_cli.runtime.quantize import format_of
+    from avatar_cli.stages import sr as sr_stage
+
+    loaded = []
+    real = sr_stage.load_models
+    monkeypatch.setattr("avatar_cli.render.setup.load_sr_models",
+                        lambda *a, **k: loaded.append(real(*a, **k)) or loaded[-1])
+    result = render(job_dir, f"sr.model={sr_dir}", "runtime.weights=int8", "-o", str(job_dir / "int8.mp4"))
+    assert result.returncode == 0, result.stderr
+    assert len(loaded) == 1 and format_of(loaded[0].dit.blocks[0].weight) == "int8"
+    assert frames_of(job_dir / "int8.mp4").shape == (FRAMES, 128, 128, 3)
