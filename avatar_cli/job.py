@@ -200,7 +200,7 @@ def resolve_sr(job: Job, lq: tuple[int, int]) -> SRPlan | None:
     if max(w, h) > MAX_SIDE:
         raise InputError(f"sr.scale: {scale} makes {w} x {h} frames of {lq[0]} x {lq[1]}; the encoders take at most "
                          f"{MAX_SIDE} a side")
-    return SRPlan(folder, scale, lq, (w, h))
+    return SRPlan(folder, scale, lq, (w, h), package.__name__)
 
 
 def resolve_decode(job: Job, family, runtime: Runtime, parallel: Split) -> tuple[str, str]:

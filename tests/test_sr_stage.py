@@ -213,7 +213,7 @@ def test_runtime_weights_quantize_the_sr_dits_linears(sr_dir: Path, toy):
     from avatar_cli.runtime.quantize import format_of
     from avatar_cli.stages.sr import SRPlan, load_models
 
-    plan = SRPlan(sr_dir, 2, (16, 16), (32, 32))
+    plan = SRPlan(sr_dir, 2, (16, 16), (32, 32), toy_sr.__name__)
     cpu = torch.device("cpu")
     full, int8 = load_models(plan, cpu, torch.float32), load_models(plan, cpu, torch.float32, "int8")
     assert format_of(full.dit.blocks[0].weight) == "bf16" and format_of(int8.dit.blocks[0].weight) == "int8"

@@ -7,12 +7,11 @@ x2 (or x4) upscale followed by a per-pixel channel mix (one Linear, under `block
 Linear to quantize), with a carried state: each chunk's output is shifted by the previous chunk's mean colour, so a
 stream resumed without its state differs from one that kept it.
 
-`install(monkeypatch)` puts it where the renderer imports the package from.
+`install(monkeypatch)` makes it the package a job resolves.
 """
 
 import json
 import sys
-import types
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -143,16 +142,8 @@ def init_tiny(folder: Path, seed: int) -> Path:
 
 
 def install(monkeypatch) -> None:
-    """Make `from avatar_cli.sr import swiftvr` (and its model_dir) this module."""
-    package = types.ModuleType("avatar_cli.sr.swiftvr")
-    model_dir = types.ModuleType("avatar_cli.sr.swiftvr.model_dir")
-    for name in ("recognise", "check", "init_tiny"):
-        setattr(model_dir, name, globals()[name])
-    for name in ("SRModels", "SRStream", "load_sr", "output_size"):
-        setattr(package, name, globals()[name])
-    package.model_dir = model_dir
-    sr = types.ModuleType("avatar_cli.sr")
-    sr.swiftvr = package
-    monkeypatch.setitem(sys.modules, "avatar_cli.sr", sr)
-    monkeypatch.setitem(sys.modules, "avatar_cli.sr.swiftvr", package)
-    monkeypatch.setitem(sys.modules, "avatar_cli.sr.swiftvr.model_dir", model_dir)
+    """Make this module the SR package a job resolves (stages/sr.py PACKAGE); a decode worker imports it by name."""
+    monkeypatch.setattr("avatar_cli.stages.sr.PACKAGE", __name__)
+
+
+model_dir = sys.modules[__name__]  # the package's model_dir functions are this module's

@@ -10,6 +10,7 @@ rolling state (`sr.` tensors, saved at every resume point), so a resumed render 
 The model package is imported only by a job that names `sr.model`: a render without SR never loads it.
 """
 
+import importlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,28 +23,32 @@ PREFIX = "sr."  # the stage's tensors in the rolling state: sr.<SRStream.state_d
 QUANTIZED = ("blocks",)  # `runtime.weights: fp8 | int8`: the SR DiT's block Linears, as the families' DiTs
 
 
-def swiftvr() -> Any:
-    """The SwiftVR model package (load_sr, output_size, SRStream, model_dir)."""
-    from avatar_cli.sr import swiftvr as package  # only a job with sr.model pays for the import
+PACKAGE = "avatar_cli.sr.swiftvr"  # the module that implements SwiftVR's interface
 
-    return package
+
+def swiftvr(name: str | None = None) -> Any:
+    """The SwiftVR model package (load_sr, output_size, SRStream, model_dir): PACKAGE, or the one a plan names
+    (a decode worker imports it again in its own process)."""
+    return importlib.import_module(name or PACKAGE)  # only a job with sr.model pays for the import
 
 
 @dataclass(frozen=True)
 class SRPlan:
     """`sr.*` resolved once (job.resolve): the model directory, checked; the scale; the size the frames have when
-    they reach SR (`lq`, the family's output before SR) and the size they leave it at (`out`), each (width, height)."""
+    they reach SR (`lq`, the family's output before SR) and the size they leave it at (`out`), each (width, height);
+    the package that runs it."""
 
     model: Path
     scale: int
     lq: tuple[int, int]
     out: tuple[int, int]
+    package: str = PACKAGE
 
 
 def load_models(plan: SRPlan, device: torch.device, dtype: torch.dtype, weights: str = "bf16") -> Any:
     """The SR models loaded and placed (safetensors only, strict keys, built on meta: swiftvr.load_sr); with
     `runtime.weights: fp8 | int8` the DiT's block Linears quantized as the families' are (runtime/quantize.py)."""
-    models = swiftvr().load_sr(plan.model, device, dtype)
+    models = swiftvr(plan.package).load_sr(plan.model, device, dtype)
     if weights != "bf16":
         from avatar_cli.runtime.quantize import quantize_linears
 
@@ -60,7 +65,7 @@ class FrameSR:
 
     def __init__(self, models: Any, plan: SRPlan, device: torch.device, dtype: torch.dtype):
         w, h = plan.lq
-        self.stream = swiftvr().SRStream(models, (h, w), plan.scale, device, dtype)
+        self.stream = swiftvr(plan.package).SRStream(models, (h, w), plan.scale, device, dtype)
         self.plan, self.device = plan, device
         self._resumed = False
 
