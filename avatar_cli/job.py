@@ -206,11 +206,6 @@ def resolve_sr(job: Job, lq: tuple[int, int]) -> SRPlan | None:
 def resolve_decode(job: Job, family, runtime: Runtime, parallel: Split) -> tuple[str, str]:
     """`runtime.decode` for this family, device and split of the ranks -> ("inline" | "worker", why)."""
     decode, why = decode_worker.choose(job.spec.runtime.decode.value, family, runtime)
-    if job.sr_model is not None and decode == "worker":  # the SR stream's state is the render process's
-        if job.spec.runtime.decode == Decode.worker:
-            raise InputError("runtime.decode: worker: frame super-resolution (sr.model) runs in the render "
-                             "process, after the decode; use inline or auto")
-        return "inline", "frame super-resolution (sr.model) runs after the decode, in the render process"
     if parallel == Split.steps and decode == "worker":  # rank 0 already decodes while the step ranks denoise
         return "inline", "the timestep pipeline's rank 0 is its decode process"
     if job.live and decode == "worker":

@@ -22,6 +22,7 @@ import torch
 from avatar_cli.errors import InputError, RenderError
 from avatar_cli.families.registry import ModelSource, load_modules
 from avatar_cli.job import ResolvedJob, Split
+from avatar_cli.spec import Decode
 from avatar_cli.modules.module import Module
 from avatar_cli.pipeline import checkpoint as ckpt
 from avatar_cli.pipeline.run import Pipeline
@@ -261,8 +262,10 @@ def build(p: ResolvedJob, job: Opened, reporter: Reporter, models: ModelCache | 
     modules, placement = models.get(p.model, runtime, Dist() if steps else dist, spec.runtime, reporter,
                                     split=p.parallel, rings=rings, skip=skip,
                                     working_bytes=working_bytes(p, runtime, dist, models, rings))
-    # Frame super-resolution runs where the frames are written: rank 0 (the timestep pipeline's decode rank).
-    sr = (p.sr, models.get_sr(p.sr, runtime, spec.runtime.weights.value)) if p.sr is not None and job.main else None
+    # Frame super-resolution runs where the frames are written: rank 0 (the timestep pipeline's decode rank), or
+    # the decode worker, which loads it itself.
+    here = p.sr is not None and job.main and p.decode != Decode.worker
+    sr = (p.sr, models.get_sr(p.sr, runtime, spec.runtime.weights.value)) if here else None
     pipeline = Pipeline(modules, family, runtime, placement, prompts=prompts,
                         steps_dist=dist if placement.split == Split.steps else None, absent=absent, sr=sr)
     image = family.fit_reference(p.image, *p.gen_size)  # (3, H, W) in [-1, 1]

@@ -54,7 +54,10 @@ from avatar_cli.pipeline.events import Stretch
 from avatar_cli.runtime.device import Runtime
 from avatar_cli.runtime.distributed import Dist
 from avatar_cli.runtime.placement import place
-from avatar_cli.stages.publish import DecodePublish
+from avatar_cli.stages.publish import DecodePublish, to_sink
+from avatar_cli.stages.sr import PREFIX as SR_PREFIX
+from avatar_cli.stages.sr import FrameSR, SRPlan
+from avatar_cli.stages.sr import load_models as load_sr_models
 
 DEPTH = 2  # stretches in flight: see the module docstring
 SPILL_BYTES = 256 << 20  # a snapshot bigger than this waits on disk until its acknowledgment, not in host memory
@@ -171,7 +174,7 @@ def unpack(buf: torch.Tensor, layout: Layout) -> dict[str, torch.Tensor]:
 @dataclass
 class _Sent:
     seq: int
-    slot: int
+    slot: int | None  # None: SR's last frames (finish), which need no latents
     next_chunk: int
     start: int
     end: int
@@ -190,17 +193,22 @@ class DecodeWorker:
     `seconds` gives the worker's decode seconds and this process's seconds blocked on it."""
 
     needs: tuple[str, ...] = ()
-    held: int = 0  # nothing is held back between the decode and the MP4 (frame super-resolution runs inline)
 
     def __init__(self, source: Any, runtime: Runtime, world_size: int, writer_path: str, writer_args: dict,
                  size: tuple[int, int], threads: int | None = None,
-                 resume_at: Callable[[int], bool] = lambda block: True, vae_dtype: str = "auto"):
+                 resume_at: Callable[[int], bool] = lambda block: True, vae_dtype: str = "auto",
+                 sr: SRPlan | None = None, weights: str = "bf16"):
         """source: the job's ModelSource; writer_path, writer_args: Mp4Writer's arguments (the worker owns it);
         size: the output (width, height). threads: the worker's torch threads (default: the render process's, so
         its CPU decode rounds as the inline one does). resume_at(block): whether a resume point may follow the
         stretch published after that block (pipeline/checkpoint.py resume_schedule): only those stretches keep a
-        snapshot of the rolling state while in flight. vae_dtype: `runtime.vae_dtype`."""
+        snapshot of the rolling state while in flight. vae_dtype: `runtime.vae_dtype`. sr: frame super-resolution,
+        run in the worker after its decode (stages/sr.py), with `weights` (`runtime.weights`) for its DiT."""
         self.resume_at = resume_at
+        self.sr = sr
+        self._handed: int | None = None  # frames handed over, counted from the Sink's first (a resumed render's)
+        self._out = 0  # frames the worker has put into the MP4, counted alike
+        self._next_chunk = 0
         self._folder = Path(writer_path).parent  # where big snapshots wait (the output's disk)
         self.family: Family = source.family
         self.device = worker_device(runtime, world_size)
@@ -222,19 +230,36 @@ class DecodeWorker:
         wrt = Runtime(self.device, runtime.dtype, runtime.dtype_reason)
         self._proc = ctx.Process(target=_worker_main, name="avatar-decode", daemon=True, args=(
             source, wrt, threads or torch.get_num_threads(), writer_path, writer_args, size, list(self._slots),
-            self._inbox, self._outbox, os.getpid(), vae_dtype))
+            self._inbox, self._outbox, os.getpid(), vae_dtype, sr, weights))
         self._proc.start()
         self.pid = self._proc.pid
 
     # The render loop's calls (the Publisher protocol).
 
+    @property
+    def held(self) -> int:
+        """With frame super-resolution: frames handed over and not yet in the MP4 (in flight, or held back by SR)."""
+        return self._handed - self._out if self.sr is not None and self._handed is not None else 0
+
     def publish(self, final: Final, next_chunk: int, state: RollingState) -> list[Stretch]:
         """Handed over; its resume point is saved once the worker has written it (acknowledged)."""
+        if self._handed is None:  # the Sink's frames so far: a resumed render's point
+            self._handed = self._out = state.published
+        self._handed += final.frames
+        self._next_chunk = next_chunk
         state.published += final.frames
         return self.submit(final, next_chunk, state)
 
     def finish(self, state: RollingState) -> list[Stretch]:
-        return self.drain()
+        """Every stretch acknowledged; with SR, the frames it held back written too (`state` counts them)."""
+        done = self.drain()
+        if self.sr is not None:
+            self._seq += 1
+            self._sent.append(_Sent(self._seq, None, self._next_chunk, 0, 0, {}, False, [], 0))
+            self._inbox.put(("flush", self._seq))
+            done += self.drain()
+            state.published = self._out
+        return done
 
     @property
     def seconds(self) -> dict[str, float]:
@@ -252,7 +277,7 @@ class DecodeWorker:
         slot = self._free.popleft()
         tensors = {"z": final.z}
         if not self._handed_cache:
-            own = [k for k in state.tensors if self.family.is_decode_state(k)]
+            own = [k for k in state.tensors if self.family.is_decode_state(k) or k.startswith(SR_PREFIX)]
             tensors.update({f"state.{k}": state.tensors.pop(k) for k in own})
             self._handed_cache = True
         grown = None
@@ -382,19 +407,22 @@ class DecodeWorker:
 
     def _acked(self, msg: tuple) -> Stretch:
         """A stretch the worker decoded, wrote and hashed, with the rolling state to resume after it."""
-        _, seq, slot, layout, digest, grown, first_put, decode_s = msg
+        _, seq, slot, layout, digest, grown, first_put, decode_s, written = msg
         sent = self._sent.popleft()
         assert sent.seq == seq, f"decode worker answered stretch {seq}, expected {sent.seq}"
         if grown is not None:
             self._acks[slot] = grown
         cache = unpack(self._acks[slot], layout) if layout else {}
-        self._free.append(slot)
+        if slot is not None:  # SR's last frames (finish) came through no slot
+            self._free.append(slot)
         if self.first_put is None:
             self.first_put = first_put
         self.decode_s += decode_s
         # Saved before this slot is written again (the checkpoint is written from on_stretch, synchronously).
-        state = RollingState(tensors={**sent.tensors, **cache}, held=sent.held, published=sent.published)
-        return Stretch(sent.next_chunk, sent.start, sent.end, digest, state, sent.resumable)
+        # The MP4's frames: the stretch's own, or (frame SR) those SR let out, which lag the decoded ones.
+        start, self._out = self._out, self._out + written
+        state = RollingState(tensors={**sent.tensors, **cache}, held=sent.held, published=self._out)
+        return Stretch(sent.next_chunk, start, self._out, digest, state, sent.resumable)
 
 
 # --- the worker process -------------------------------------------------------------------------------------------
@@ -408,7 +436,7 @@ def _watch_parent(parent: int) -> None:
 
 def _worker_main(source: Any, runtime: Runtime, threads: int, writer_path: str, writer_args: dict,
                  size: tuple[int, int], slots: list[torch.Tensor], inbox: Any, outbox: Any, parent: int,
-                 vae_dtype: str = "auto") -> None:
+                 vae_dtype: str = "auto", sr_plan: SRPlan | None = None, weights: str = "bf16") -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)  # the render process decides when the worker stops (abort or close)
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True, name="parent-watch").start()
@@ -421,9 +449,13 @@ def _worker_main(source: Any, runtime: Runtime, threads: int, writer_path: str, 
         plan = ParallelPlan(float32=family.parallel.float32, bfloat16=family.parallel.bfloat16)
         place(modules, runtime, Dist(), offload="none", plan=plan.with_dtype("vae", vae_dtype))
         publish = DecodePublish(family, modules, runtime)
+        sr = None
+        if sr_plan is not None:
+            sr_models = load_sr_models(sr_plan, runtime.device, runtime.dtype, weights)
+            sr = FrameSR(sr_models, sr_plan, runtime.device, runtime.dtype)
         writer = Mp4Writer(writer_path, **writer_args)
         outbox.put(("ready", os.getpid()))
-        _serve(family, publish, runtime, writer, size, slots, inbox, outbox)
+        _serve(family, publish, runtime, writer, size, slots, inbox, outbox, sr)
     except BaseException as e:  # every failure goes back as one line; the writer keeps what it encoded
         if writer is not None:
             try:
@@ -439,7 +471,7 @@ def _worker_main(source: Any, runtime: Runtime, threads: int, writer_path: str, 
 
 
 def _serve(family: Family, publish: Any, runtime: Runtime, writer: Any, size: tuple[int, int],
-           slots: list[torch.Tensor], inbox: Any, outbox: Any) -> None:
+           slots: list[torch.Tensor], inbox: Any, outbox: Any, sr: FrameSR | None = None) -> None:
     state = RollingState()
     acks: list[torch.Tensor | None] = [None] * len(slots)
     hashing = HashingSink(writer)  # its first_put: when the first frame reached the writer (the render's ttff)
@@ -453,6 +485,14 @@ def _serve(family: Family, publish: Any, runtime: Runtime, writer: Any, size: tu
             writer.abort()
             outbox.put(("aborted",))
             return
+        if msg[0] == "flush":  # the end: SR's held frames into the MP4
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                last = sr.finish()  # (held, 3, H, W)
+                to_sink(last, hashing)
+            outbox.put(("done", msg[1], None, [], hashing.take_digest(), None, hashing.first_put,
+                        time.perf_counter() - t0, len(last)))
+            continue
         _, seq, slot, layout, start, end, grown, resumable = msg
         if grown is not None:
             slots[slot] = grown
@@ -462,11 +502,17 @@ def _serve(family: Family, publish: Any, runtime: Runtime, writer: Any, size: tu
         z = got.pop("z").to(runtime.device)
         state.tensors.update({k.removeprefix("state."): v.to(runtime.device) for k, v in got.items()})
         t0 = time.perf_counter()
+        if sr is not None:
+            sr.resume(state)  # a resumed render's SR state came with the first stretch
+        held = sr.held if sr is not None else 0
         with torch.no_grad():
-            publish.run(Final(start, end, z), state, hashing, size)
+            n = publish.run(Final(start, end, z), state, hashing, size, sr)
+        written = n + held - (sr.held if sr is not None else 0)
+        if sr is not None:
+            sr.keep(state)
         runtime.synchronize()
         decode_s = time.perf_counter() - t0
-        stray = [k for k in state.tensors if not family.is_decode_state(k)]
+        stray = [k for k in state.tensors if not (family.is_decode_state(k) or k.startswith(SR_PREFIX))]
         if stray:
             raise RenderError(f"the {family.name} family's decode keeps '{stray[0]}' in the rolling state, which its "
                               "is_decode_state does not declare: the worker cannot carry it; use runtime.decode=inline")
@@ -476,7 +522,7 @@ def _serve(family: Family, publish: Any, runtime: Runtime, writer: Any, size: tu
         if cache and (acks[slot] is None or acks[slot].numel() < need):
             acks[slot] = new = _shared_buffer(need)
         layout = pack(acks[slot], cache) if cache else []
-        outbox.put(("done", seq, slot, layout, hashing.take_digest(), new, hashing.first_put, decode_s))
+        outbox.put(("done", seq, slot, layout, hashing.take_digest(), new, hashing.first_put, decode_s, written))
 
 
 def _peak_rss_mb() -> float | None:
