@@ -42,7 +42,7 @@ class FakeDecode:
         self.family = SimpleNamespace(decode_feeds_back=feeds_back)
         self.calls = 0
 
-    def run(self, final: Final, state: RollingState, sink, size) -> int:
+    def run(self, final: Final, state: RollingState, sink, size, sr=None) -> int:
         self.calls += 1
         if sink is not None:
             for v in final.z.tolist():
@@ -69,7 +69,7 @@ def test_publish_here_decodes_into_its_sink_and_reports_the_stretch():
     state = RollingState(published=3)
     [stretch] = out.publish(Final(3, 5, torch.tensor([1.0, 2.0])), 4, state)
     assert (stretch.next_chunk, stretch.start, stretch.end, stretch.state) == (4, 3, 5, state)
-    assert state.published == 5 and out.first_put is not None and out.finish() == []
+    assert state.published == 5 and out.first_put is not None and out.finish(state) == []
     assert stretch.digest == hashlib.sha256(frames(1, 1).tobytes() + frames(1, 2).tobytes()).hexdigest()
     out.close()
     assert inner.closed
