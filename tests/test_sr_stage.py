@@ -181,6 +181,15 @@ def test_wan_s2v_with_sr_through_the_cli(wan_job: Path, sr_dir: Path, mode: str,
     assert frames_of(out).shape == (40, 128, 160, 3)  # 80 x 64, x2
 
 
+def test_validate_says_what_sr_resolved_to(job_dir: Path, sr_dir: Path, toy):
+    r = avatar("validate", str(job_dir / "job.yaml"), f"sr.model={sr_dir}", "sr.scale=4", "--json")
+    assert r.returncode == 0, r.stderr
+    valid = events(r.stdout)[-1]
+    assert valid["size"] == [256, 256] and valid["sr"] == {"model": str(sr_dir), "scale": 4, "from_size": [64, 64]}
+    plain = events(avatar("validate", str(job_dir / "job.yaml"), "--json").stdout)[-1]
+    assert plain["size"] == [64, 64] and "sr" not in plain
+
+
 def test_bad_sr_input_is_exit_2_naming_it_with_nothing_written(job_dir: Path, sr_dir: Path, tmp_path: Path, toy):
     import shutil
 
