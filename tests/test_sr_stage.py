@@ -207,7 +207,8 @@ def test_bad_sr_input_is_exit_2_naming_it_with_nothing_written(job_dir: Path, sr
     (tmp_path / "empty").mkdir()
     assert "not a SwiftVR model directory" in refused(f"sr.model={tmp_path / 'empty'}")
     other = shutil.copytree(sr_dir, tmp_path / "other")
-    save_file({"blocks.0.weight": torch.zeros(8, 8), "head.weight": torch.zeros(3, 8)}, str(other / "dit.safetensors"))
+    save_file({"blocks.0.weight": torch.zeros(8, 8), "head.weight": torch.zeros(3, 8)},
+              str(other / "dit.safetensors"))
     assert "a transformer of another model" in refused(f"sr.model={other}")
     pickled = shutil.copytree(sr_dir, tmp_path / "pickled")
     (pickled / "dit.pth").write_bytes(b"\x80\x04K\x00.")
@@ -246,3 +247,35 @@ def test_a_render_with_int8_weights_quantizes_the_sr_model_it_loads(job_dir: Pat
     assert result.returncode == 0, result.stderr
     assert len(loaded) == 1 and format_of(loaded[0].dit.blocks[0].weight) == "int8"
     assert frames_of(job_dir / "int8.mp4").shape == (FRAMES, 128, 128, 3)
+
+
+def test_the_frames_sr_held_at_a_resume_point_after_the_last_chunk_still_come_out(sr_dir: Path, toy):
+    """A render resumed after its last chunk runs no chunk: its publisher's finish gives the frames the saved SR
+    state holds, and the stretch after it takes no resume point (the stream is finished)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from avatar_cli.families.base import RollingState
+    from avatar_cli.stages.publish import PublishHere
+    from avatar_cli.stages.sr import FrameSR, SRPlan, load_models
+
+    cpu = torch.device("cpu")
+    plan = SRPlan(sr_dir, 2, (16, 16), (32, 32), toy_sr.__name__)
+    models = load_models(plan, cpu, torch.float32)
+    first = FrameSR(models, plan, cpu, torch.float32)
+    assert len(first.push(torch.rand(20, 3, 16, 16) * 2 - 1)) == 0 and first.held == 20
+    state = RollingState(published=0)
+    first.keep(state)
+
+    class Sink:
+        got = []
+
+        def put(self, frames):
+            self.got.append(frames)
+
+    stage = SimpleNamespace(needs=(), family=SimpleNamespace(decode_feeds_back=False))
+    out = PublishHere(stage, Sink(), (32, 32), FrameSR(models, plan, cpu, torch.float32))
+    [stretch] = out.finish(state)
+    assert (stretch.start, stretch.end, stretch.resumable) == (0, 20, False) and state.published == 20
+    assert sum(len(f) for f in Sink.got) == 20 and Sink.got[0].shape[1:] == (32, 32, 3)

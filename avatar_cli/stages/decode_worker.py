@@ -174,7 +174,7 @@ def unpack(buf: torch.Tensor, layout: Layout) -> dict[str, torch.Tensor]:
 @dataclass
 class _Sent:
     seq: int
-    slot: int | None  # None: SR's last frames (finish), which need no latents
+    slot: int
     next_chunk: int
     start: int
     end: int
@@ -254,9 +254,13 @@ class DecodeWorker:
         """Every stretch acknowledged; with SR, the frames it held back written too (`state` counts them)."""
         done = self.drain()
         if self.sr is not None:
+            if self._handed is None:  # resumed after its last chunk: SR's state (its held frames) goes over now
+                self._handed = self._out = state.published
+            slot = self._free.popleft()  # every slot is free once drained
+            layout, grown = self._fill(slot, {}, state)
             self._seq += 1
-            self._sent.append(_Sent(self._seq, None, self._next_chunk, 0, 0, {}, False, [], 0))
-            self._inbox.put(("flush", self._seq))
+            self._sent.append(_Sent(self._seq, slot, self._next_chunk, 0, 0, {}, False, [], 0))
+            self._inbox.put(("flush", self._seq, slot, layout, grown))
             done += self.drain()
             state.published = self._out
         return done
@@ -275,18 +279,7 @@ class DecodeWorker:
         while not self._free:
             done += self._collect(block=True)
         slot = self._free.popleft()
-        tensors = {"z": final.z}
-        if not self._handed_cache:
-            own = [k for k in state.tensors if self.family.is_decode_state(k) or k.startswith(SR_PREFIX)]
-            tensors.update({f"state.{k}": state.tensors.pop(k) for k in own})
-            self._handed_cache = True
-        grown = None
-        need = _nbytes(tensors)
-        if self._slots[slot].numel() < need:
-            # Sized by the largest stretch so far (+25% for the next N chunk's): a handful of reallocations per
-            # render, each handed to the worker once with the stretch that needed it.
-            self._slots[slot] = grown = _shared_buffer(need + need // 4)
-        layout = pack(self._slots[slot], tensors)
+        layout, grown = self._fill(slot, {"z": final.z}, state)
         self._seq += 1
         # A snapshot only where a resume point may follow; a big one (the streaming mode's is ~44 GB at full size)
         # on disk, not in host memory.
@@ -300,6 +293,21 @@ class DecodeWorker:
                                 list(state.held), state.published))
         self._inbox.put(("stretch", self._seq, slot, layout, final.start, final.end, grown, resumable))
         return done
+
+    def _fill(self, slot: int, tensors: dict[str, torch.Tensor], state: RollingState) -> tuple[Layout, Any]:
+        """Pack `tensors` into the slot, with (the first time) the worker's own tensors out of `state`: a resumed
+        render's decoder cache and SR state. -> (their layout, the slot's new buffer or None)."""
+        if not self._handed_cache:
+            own = [k for k in state.tensors if self.family.is_decode_state(k) or k.startswith(SR_PREFIX)]
+            tensors.update({f"state.{k}": state.tensors.pop(k) for k in own})
+            self._handed_cache = True
+        grown = None
+        need = _nbytes(tensors)
+        if self._slots[slot].numel() < need:
+            # Sized by the largest stretch so far (+25% for the next N chunk's): a handful of reallocations per
+            # render, each handed to the worker once with the stretch that needed it.
+            self._slots[slot] = grown = _shared_buffer(need + need // 4)
+        return pack(self._slots[slot], tensors), grown
 
     def drain(self) -> list[Stretch]:
         """Wait for every stretch in flight; returns their acknowledgments in order."""
@@ -413,8 +421,7 @@ class DecodeWorker:
         if grown is not None:
             self._acks[slot] = grown
         cache = unpack(self._acks[slot], layout) if layout else {}
-        if slot is not None:  # SR's last frames (finish) came through no slot
-            self._free.append(slot)
+        self._free.append(slot)
         if self.first_put is None:
             self.first_put = first_put
         self.decode_s += decode_s
@@ -486,11 +493,17 @@ def _serve(family: Family, publish: Any, runtime: Runtime, writer: Any, size: tu
             outbox.put(("aborted",))
             return
         if msg[0] == "flush":  # the end: SR's held frames into the MP4
+            _, seq, slot, layout, grown = msg
+            if grown is not None:
+                slots[slot] = grown
+            got = unpack(slots[slot], layout)  # a render resumed after its last chunk: SR's state comes only now
+            state.tensors.update({k.removeprefix("state."): v.clone().to(runtime.device) for k, v in got.items()})
             t0 = time.perf_counter()
+            sr.resume(state)
             with torch.no_grad():
                 last = sr.finish()  # (held, 3, H, W)
                 to_sink(last, hashing)
-            outbox.put(("done", msg[1], None, [], hashing.take_digest(), None, hashing.first_put,
+            outbox.put(("done", seq, slot, [], hashing.take_digest(), None, hashing.first_put,
                         time.perf_counter() - t0, len(last)))
             continue
         _, seq, slot, layout, start, end, grown, resumable = msg

@@ -5,6 +5,7 @@ out. `PublishHere` decodes in this process (the DecodePublish stage) into a Sink
 (stages/decode_worker.py) decodes in a process of its own. The loop never asks which one it has.
 """
 
+from dataclasses import replace
 from typing import Protocol
 
 import torch
@@ -130,10 +131,12 @@ class PublishHere:
     def finish(self, state: RollingState) -> list[Stretch]:
         if self.sr is None or self.hashing is None:
             return []
+        self.sr.resume(state)  # a render resumed after its last chunk: the frames SR held are in its state
         held = self.held
         with torch.no_grad():
             to_sink(self.sr.finish(), self.hashing)  # (held, 3, H, W)
-        return [self._stretch(held - self.held, state)]
+        # No resume point after it: a finished stream takes no more frames, and there are none to come.
+        return [replace(self._stretch(held - self.held, state), resumable=False)]
 
     def _stretch(self, n: int, state: RollingState) -> Stretch:
         """The n frames just put into the Sink; with SR, its state (held frames included) into `state`."""
