@@ -195,7 +195,7 @@ def resolve_sr(job: Job, lq: tuple[int, int]) -> SRPlan | None:
         raise InputError(f"sr.model: {folder}: {e}") from None
     try:
         h, w = package.output_size((lq[1], lq[0]), scale)
-    except ValueError as e:
+    except (ValueError, InputError) as e:
         raise InputError(f"sr.scale: {scale}: {e}") from None
     if max(w, h) > MAX_SIDE:
         raise InputError(f"sr.scale: {scale} makes {w} x {h} frames of {lq[0]} x {lq[1]}; the encoders take at most "
