@@ -38,7 +38,7 @@ from avatar_cli.runtime.device import Runtime, resolve_runtime
 from avatar_cli.runtime.quantize import check_setting as check_weights_setting
 from avatar_cli.spec import MAX_SIDE, Decode, Job, Parallel, is_stream_input
 from avatar_cli.stages import decode_worker
-from avatar_cli.stages.sr import SRPlan, swiftvr
+from avatar_cli.stages.sr import SRPlan, resolve_plan
 
 # Bits per pixel that H.264 at a given crf rarely exceeds on this content; only sizes the disk check.
 _BPP_AT_CRF20 = 0.3
@@ -186,21 +186,12 @@ def resolve_sr(job: Job, lq: tuple[int, int]) -> SRPlan | None:
     folder, scale = job.sr_model, job.spec.sr.scale
     if not folder.is_dir():
         raise InputError(f"sr.model: {folder}: no such folder (a SwiftVR model directory)")
-    package = swiftvr()
-    if not package.model_dir.recognise(folder):
-        raise InputError(f"sr.model: {folder} is not a SwiftVR model directory")
-    try:
-        package.model_dir.check(folder)
-    except ValueError as e:
-        raise InputError(f"sr.model: {folder}: {e}") from None
-    try:
-        h, w = package.output_size((lq[1], lq[0]), scale)
-    except (ValueError, InputError) as e:
-        raise InputError(f"sr.scale: {scale}: {e}") from None
+    plan = resolve_plan(folder, scale, lq)
+    w, h = plan.out
     if max(w, h) > MAX_SIDE:
         raise InputError(f"sr.scale: {scale} makes {w} x {h} frames of {lq[0]} x {lq[1]}; the encoders take at most "
                          f"{MAX_SIDE} a side")
-    return SRPlan(folder, scale, lq, (w, h), package.__name__)
+    return plan
 
 
 def resolve_decode(job: Job, family, runtime: Runtime, parallel: Split) -> tuple[str, str]:

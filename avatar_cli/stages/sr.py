@@ -6,52 +6,57 @@ sits in the publish path after the decode, wherever that runs (stages/publish.py
 process or on the timestep pipeline's decode rank), and holds its own state: the stream's carried tensors and the
 input frames it holds back until it knows they are not the last (`SRStream.held`). That state is part of the
 rolling state (`sr.` tensors, saved at every resume point), so a resumed render continues the stream exactly.
-
-The model package is imported only by a job that names `sr.model`: a render without SR never loads it.
 """
 
-import importlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from avatar_cli.errors import InputError
 from avatar_cli.families.base import RollingState
+from avatar_cli.runtime.quantize import quantize_linears
+from avatar_cli.sr.swiftvr import model_dir, stream
 
 PREFIX = "sr."  # the stage's tensors in the rolling state: sr.<SRStream.state_dict key>
 QUANTIZED = ("blocks",)  # `runtime.weights: fp8 | int8`: the SR DiT's block Linears, as the families' DiTs
 
 
-PACKAGE = "avatar_cli.sr.swiftvr"  # the module that implements SwiftVR's interface
-
-
-def swiftvr(name: str | None = None) -> Any:
-    """The SwiftVR model package (load_sr, output_size, SRStream, model_dir): PACKAGE, or the one a plan names
-    (a decode worker imports it again in its own process)."""
-    return importlib.import_module(name or PACKAGE)  # only a job with sr.model pays for the import
-
-
 @dataclass(frozen=True)
 class SRPlan:
     """`sr.*` resolved once (job.resolve): the model directory, checked; the scale; the size the frames have when
-    they reach SR (`lq`, the family's output before SR) and the size they leave it at (`out`), each (width, height);
-    the package that runs it."""
+    they reach SR (`lq`, the family's output before SR) and the size they leave it at (`out`), each (width, height)."""
 
     model: Path
     scale: int
     lq: tuple[int, int]
     out: tuple[int, int]
-    package: str = PACKAGE
+
+
+def resolve_plan(folder: Path, scale: int, lq: tuple[int, int]) -> SRPlan:
+    """The SR plan for frames of size `lq` (width, height): `folder` recognised as a SwiftVR release and checked from
+    its headers (avatar_cli/sr/swiftvr/model_dir.py), the output size as the model rounds it (it crops each side of
+    its input to a multiple of 8). InputError naming what is wrong."""
+    if not model_dir.is_release_dir(folder):
+        raise InputError(f"sr.model: {folder} is not a SwiftVR model directory (reae.safetensors, "
+                         "prompt_embedding.safetensors, transformer/)")
+    try:
+        model_dir.read_release(folder)
+    except InputError as e:
+        raise InputError(f"sr.model: {e}") from None
+    try:
+        h, w = stream.output_size((lq[1], lq[0]), scale)
+    except (ValueError, InputError) as e:
+        raise InputError(f"sr.scale: {scale}: {e}") from None
+    return SRPlan(folder, scale, lq, (w, h))
 
 
 def load_models(plan: SRPlan, device: torch.device, dtype: torch.dtype, weights: str = "bf16") -> Any:
     """The SR models loaded and placed (safetensors only, strict keys, built on meta: swiftvr.load_sr); with
     `runtime.weights: fp8 | int8` the DiT's block Linears quantized as the families' are (runtime/quantize.py)."""
-    models = swiftvr(plan.package).load_sr(plan.model, device, dtype)
+    models = stream.load_sr(plan.model, device, dtype)
     if weights != "bf16":
-        from avatar_cli.runtime.quantize import quantize_linears
-
         quantize_linears(models.dit, weights, QUANTIZED)
     return models
 
@@ -65,7 +70,7 @@ class FrameSR:
 
     def __init__(self, models: Any, plan: SRPlan, device: torch.device, dtype: torch.dtype):
         w, h = plan.lq
-        self.stream = swiftvr(plan.package).SRStream(models, (h, w), plan.scale, device, dtype)
+        self.stream = stream.SRStream(models, (h, w), plan.scale, device, dtype)
         self.plan, self.device = plan, device
         self._resumed = False
 
