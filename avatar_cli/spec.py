@@ -185,7 +185,7 @@ class SRSpec:
     """Frame-space super-resolution after the VAE decode (SwiftVR; stages/sr.py, docs/design.md)."""
 
     model: Optional[str] = None  # a SwiftVR model directory (relative to the job file's folder); None: no SR
-    scale: int = 2  # the output is the family's generated size times this, rounded as the model needs
+    scale: int = 2  # the output is the family's generated size (each side cropped to a multiple of 8) times this
 
 
 @dataclass

@@ -92,8 +92,8 @@ COMMENTS = {
     "runtime.text_service.timeout_s": "seconds per request",
     "runtime.text_service.retries": "further attempts after a connection error, a timeout or a 5xx, with backoff",
     "sr.model": "a SwiftVR model directory (relative to the job file's folder); null: no super-resolution",
-    "sr.scale": "output = the family's generated size x this (rounded as the model needs); video.width/height: "
-                "the size before it",
+    "sr.scale": "output = the family's generated size (video.width/height where set), each side cropped to a "
+                "multiple of 8, x this",
     "live.chunk_frames": "a live session's chunking.frames (shorter: lower latency); null: chunking.frames",
     "live.stall_s": "a chunk whose audio is this far past due on the session's clock renders on silence",
     "live.first_audio_s": "a live input that sends nothing for this long fails the session (exit 1)",
