@@ -16,11 +16,9 @@ from tests.conftest import avatar, write_wav
 FRAMES = 58  # round(2.3 s * 25 fps): the job of tests/conftest.write_job
 
 
-@pytest.fixture(scope="session")
-def sr_dir(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("sr") / "swiftvr"
-    init_tiny(folder, seed=0)
-    return folder
+@pytest.fixture
+def sr_dir(swiftvr_dir: Path) -> Path:
+    return swiftvr_dir
 
 
 def events(stdout: str) -> list[dict]:
