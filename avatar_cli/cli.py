@@ -190,6 +190,8 @@ def validate(job: JobArg, overrides: OverridesArg = None, output: OutputOpt = No
                 "frames": p.frames if p.audio is not None else None, "video_fps": j.spec.video.fps,
                 "size": list(p.size), "model": p.model.name, "output": str(j.output),
                 "output_exists": isinstance(j.output, Path) and j.output.exists(), "warnings": warnings}
+        if p.sr is not None:  # frame super-resolution: `size` is its output, from frames of `from_size`
+            info["sr"] = {"model": str(p.sr.model), "scale": p.sr.scale, "from_size": list(p.sr.lq)}
         for warning in warnings:
             reporter.info(warning)
         _print_info(reporter, info)

@@ -36,8 +36,9 @@ from avatar_cli.pipeline.steps import check_family, choose_parallel
 from avatar_cli.prompts import cache as prompt_cache
 from avatar_cli.runtime.device import Runtime, resolve_runtime
 from avatar_cli.runtime.quantize import check_setting as check_weights_setting
-from avatar_cli.spec import Decode, Job, Parallel, is_stream_input
+from avatar_cli.spec import MAX_SIDE, Decode, Job, Parallel, is_stream_input
 from avatar_cli.stages import decode_worker
+from avatar_cli.stages.sr import SRPlan, resolve_plan
 
 # Bits per pixel that H.264 at a given crf rarely exceeds on this content; only sizes the disk check.
 _BPP_AT_CRF20 = 0.3
@@ -69,6 +70,7 @@ class ResolvedJob:
     decode: Decode = Decode.inline  # where the VAE decode and the MP4 encoder run: inline or worker
     decode_why: str = "asked for"
     transitions_why: str = ""  # why `auto` chose chunking.transitions ("" when the job set it)
+    sr: SRPlan | None = None  # frame super-resolution (sr.model): its directory, checked, and its sizes
 
     @property
     def duration_s(self) -> float:
@@ -171,6 +173,27 @@ def resolve_parallel(job: Job, source: ModelSource, world_size: int) -> tuple[Sp
     return Split(how), why
 
 
+def resolve_sr(job: Job, lq: tuple[int, int]) -> SRPlan | None:
+    """`sr.model` and `sr.scale` for frames of size `lq` (width, height): the directory recognised as SwiftVR's and
+    checked from its headers (a transformer of another model, a pickle: exit 2), the output size as the model rounds
+    it. None: no super-resolution.
+
+    Every family's output can take it: SR reads the decoded frames, whatever made them. mini's own latent SR is
+    part of its model (its decoder reads refined latents at the family's 256 x 256); frame SR runs after the decode
+    and upscales what the family put out, so the two compose."""
+    if job.sr_model is None:
+        return None
+    folder, scale = job.sr_model, job.spec.sr.scale
+    if not folder.is_dir():
+        raise InputError(f"sr.model: {folder}: no such folder (a SwiftVR model directory)")
+    plan = resolve_plan(folder, scale, lq)
+    w, h = plan.out
+    if max(w, h) > MAX_SIDE:
+        raise InputError(f"sr.scale: {scale} makes {w} x {h} frames of {lq[0]} x {lq[1]}; the encoders take at most "
+                         f"{MAX_SIDE} a side")
+    return plan
+
+
 def resolve_decode(job: Job, family, runtime: Runtime, parallel: Split) -> tuple[str, str]:
     """`runtime.decode` for this family, device and split of the ranks -> ("inline" | "worker" | "thread", why)."""
     decode, why = decode_worker.choose(job.spec.runtime.decode.value, family, runtime)
@@ -182,6 +205,8 @@ def resolve_decode(job: Job, family, runtime: Runtime, parallel: Split) -> tuple
         return "inline", "a live session decodes in its own process"
     if job.live and decode == "thread":
         return "inline", "a live session reads each chunk's latency as its frames come out of the decode"
+    if decode == "thread" and job.spec.sr.model is not None:
+        return "inline", "frame super-resolution (sr.model) follows the decode in the render's own thread"
     return decode, why
 
 
@@ -259,7 +284,9 @@ def resolve(job: Job, force: bool = False, world_size: int | None = None) -> Res
         spec = replace(job.spec, chunking=replace(job.spec.chunking, transitions=on))
         job = replace(job, spec=spec)
     decode, decode_why = resolve_decode(job, family, runtime, parallel)
-    return ResolvedJob(job, image, audio, model, frames, requested or gen_size, gen_size, runtime, world, parallel,
-                       parallel_why, Decode(decode), decode_why, transitions_why)
+    sr = resolve_sr(job, requested or gen_size)
+    size = sr.out if sr is not None else requested or gen_size
+    return ResolvedJob(job, image, audio, model, frames, size, gen_size, runtime, world, parallel,
+                       parallel_why, Decode(decode), decode_why, transitions_why, sr)
 
 

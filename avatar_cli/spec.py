@@ -183,6 +183,14 @@ class RuntimeSpec:
 
 
 @dataclass
+class SRSpec:
+    """Frame-space super-resolution after the VAE decode (SwiftVR; stages/sr.py, docs/design.md)."""
+
+    model: Optional[str] = None  # a SwiftVR model directory (relative to the job file's folder); None: no SR
+    scale: int = 2  # the output is the family's generated size (each side cropped to a multiple of 8) times this
+
+
+@dataclass
 class RawAudioSpec:
     """Headerless PCM on a live input (`audio: -`, a FIFO, a URL): FFmpeg cannot tell its format, so the job does."""
 
@@ -259,6 +267,7 @@ class JobSpec:
     sampling: SamplingSpec = field(default_factory=SamplingSpec)
     chunking: ChunkingSpec = field(default_factory=ChunkingSpec)
     runtime: RuntimeSpec = field(default_factory=RuntimeSpec)
+    sr: SRSpec = field(default_factory=SRSpec)
     live: LiveSpec = field(default_factory=LiveSpec)
 
 
@@ -276,6 +285,7 @@ class Job:
     dit: Path | None = None  # the DiT file, absolute
     record: Path | None = None  # live.record, absolute
     bearer_token_file: Path | None = None  # live.bearer_token_file, absolute
+    sr_model: Path | None = None  # sr.model, absolute
     # The model as resolved for its family's defaults (a families.registry.ModelSource in the job's mode; None
     # when it did not resolve): job.resolve_source goes on from it instead of resolving the model again.
     source: Any = field(default=None, compare=False, repr=False)
@@ -402,7 +412,8 @@ def load_job(job_path: str | Path, overrides: list[str] | None = None, output: s
                dit=resolve("dit", spec.dit) if spec.dit is not None else None,
                record=resolve("live.record", spec.live.record) if spec.live.record is not None else None,
                bearer_token_file=resolve("live.bearer_token_file", spec.live.bearer_token_file)
-               if spec.live.bearer_token_file is not None else None)
+               if spec.live.bearer_token_file is not None else None,
+               sr_model=resolve("sr.model", spec.sr.model) if spec.sr.model is not None else None)
 
 
 def _model_source(model: str, base: Path, mode: str):
@@ -448,6 +459,8 @@ def validate(s: JobSpec) -> None:
         (s.lora is None or s.lora.strip() != "", "lora must be a LoRA file's path, or null for none"),
         (s.dit is None or s.dit.strip() != "", "dit must be a DiT file's path, or null for the model's own"),
         (s.lora_rank > 0, "lora_rank must be positive"),
+        (s.sr.model is None or s.sr.model.strip() != "", "sr.model must be a SwiftVR model directory, or null for none"),
+        (s.sr.scale >= 1, "sr.scale must be a positive whole number"),
         (s.lora_scale is None or math.isfinite(s.lora_scale), "lora_scale must be a finite number"),
         (Path(s.output).suffix.lower() == ".mp4" or is_live_output(s.output),
          "output must end in .mp4, or be a live output: -, rtmp://, rtmps://, udp://, tcp://, http(s):// (WHIP) "

@@ -39,6 +39,7 @@ SECTIONS = {
     "chunking": "How the timeline is cut into chunks (docs/design.md).",
     "runtime": "Where and how the render runs (docs/multi-gpu.md for the several-GPU keys).",
     "runtime.text_service": "A shared text encoder (`avatar serve text`, docs/text-service.md).",
+    "sr": "Super-resolution of the decoded frames (SwiftVR; README, docs/design.md).",
     "live": "Live sessions: audio that keeps arriving, and/or a live output (docs/live.md).",
     "live.raw_audio": "Headerless PCM on a live input: FFmpeg cannot tell its format, so the job does.",
 }
@@ -89,6 +90,9 @@ COMMENTS = {
     "runtime.text_service.fallback": "service down or answering garbage: encode here with a note (false: exit 1)",
     "runtime.text_service.timeout_s": "seconds per request",
     "runtime.text_service.retries": "further attempts after a connection error, a timeout or a 5xx, with backoff",
+    "sr.model": "a SwiftVR model directory (relative to the job file's folder); null: no super-resolution",
+    "sr.scale": "output = the family's generated size (video.width/height where set), each side cropped to a "
+                "multiple of 8, x this",
     "live.chunk_frames": "a live session's chunking.frames (shorter: lower latency); null: chunking.frames",
     "live.stall_s": "a chunk whose audio is this far past due on the session's clock renders on silence",
     "live.first_audio_s": "a live input that sends nothing for this long fails the session (exit 1)",

@@ -115,6 +115,16 @@ def tiny_model(tmp_path_factory) -> Path:
     return directory
 
 
+@pytest.fixture(scope="session")
+def swiftvr_dir(tmp_path_factory) -> Path:
+    """A tiny SwiftVR release of random weights in the official layout (`sr.model`)."""
+    from avatar_cli.sr.swiftvr.model_dir import init_tiny
+
+    directory = tmp_path_factory.mktemp("sr") / "swiftvr"
+    init_tiny(directory, seed=0)
+    return directory
+
+
 def write_job(folder: Path, model: Path) -> Path:
     """ref.png, speech.wav (2.3 s) and job.yaml using `model`, in folder.
 

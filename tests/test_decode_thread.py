@@ -138,3 +138,11 @@ def test_core_share_lends_a_thread_while_the_helper_works_and_takes_it_back_at_t
         assert not model[0]._forward_pre_hooks and not model._forward_pre_hooks  # the hooks are gone
     finally:
         torch.set_num_threads(before)
+
+
+def test_frame_super_resolution_keeps_the_decode_inline(job_dir: Path, swiftvr_dir: Path):
+    """The thread has no frame SR after its decode: a job with sr.model that asks for it decodes inline, and
+    says why."""
+    p = resolve(load_job(job_dir / "job.yaml", ["runtime.decode=thread", f"sr.model={swiftvr_dir}"]), force=True)
+    assert p.decode.value == "inline" and "super-resolution" in p.decode_why
+    assert resolve(load_job(job_dir / "job.yaml", ["runtime.decode=thread"]), force=True).decode.value == "thread"

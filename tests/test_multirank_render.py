@@ -30,11 +30,11 @@ def frames(path: Path) -> np.ndarray:
         return np.stack([f.to_ndarray(format="rgb24") for f in c.decode(video=0)]).astype(np.float32)
 
 
-def one_and_two_ranks(folder: Path, dtype: str) -> tuple[dict, dict]:
+def one_and_two_ranks(folder: Path, dtype: str, *extra: str) -> tuple[dict, dict]:
     """The job in folder rendered by 1 rank (one.mp4) and by 2 (two.mp4); their done events."""
     job = folder / "job.yaml"
-    one = render(job, folder / "one.mp4", f"runtime.dtype={dtype}")
-    two = render(job, folder / "two.mp4", f"runtime.dtype={dtype}", "--nproc", "2")
+    one = render(job, folder / "one.mp4", f"runtime.dtype={dtype}", *extra)
+    two = render(job, folder / "two.mp4", f"runtime.dtype={dtype}", *extra, "--nproc", "2")
     return one, two
 
 
@@ -49,17 +49,22 @@ def float32_renders(tmp_path_factory, tiny_model: Path) -> tuple[Path, dict, dic
 def test_two_ranks_match_one(request, tmp_path: Path, dtype: str):
     if dtype == "float32":
         folder, one, two = request.getfixturevalue("float32_renders")
-    else:
+        size = 64
+    else:  # with frame super-resolution, which runs on rank 0 alone, after its decode (x1: the cheapest it does)
         folder = write_job(tmp_path, request.getfixturevalue("tiny_model"))
-        one, two = one_and_two_ranks(folder, dtype)
+        one, two = one_and_two_ranks(folder, dtype, f"sr.model={request.getfixturevalue('swiftvr_dir')}",
+                                     "sr.scale=1")
+        size = 64
     assert (one["ranks"], two["ranks"]) == (1, 2)
     a, b = frames(folder / "one.mp4"), frames(folder / "two.mp4")
-    assert a.shape == b.shape == (58, 64, 64, 3)
+    assert a.shape == b.shape == (58, size, size, 3)
     diff = np.abs(a - b)
     if dtype == "float32":
         assert diff.mean() < 0.05 and diff.max() <= 2.0
     else:  # bf16 rounding differs with the reduction order across ranks; still the same video
         assert diff.mean() < 2.0
+        plain, _, _ = request.getfixturevalue("float32_renders")  # the same job without SR (module-scoped)
+        assert np.abs(a - frames(plain / "one.mp4")).mean() > 10  # the tiny SwiftVR's random weights ran on both
     assert not list(folder.glob("*.partial*"))
 
 

@@ -35,10 +35,12 @@ class _SR:
 
 
 class _Out:
-    """A Publisher that decodes in this process ("vae"), one stretch per publish, and one more in flight at the end."""
+    """A Publisher that decodes in this process ("vae"), one stretch per publish, and one more frame held back until
+    the end."""
 
     needs = ("vae",)
     refines = False
+    held = 1
 
     def __init__(self):
         self.first_put, self.seconds, self.got = None, {"decode_wait": 1.5}, []
@@ -49,8 +51,9 @@ class _Out:
         self.first_put = self.first_put or 10.0
         return [Stretch(next_chunk, final.start, final.end, "d", state)]
 
-    def finish(self):
-        return [Stretch(9, 8, 9, "late", RollingState())]
+    def finish(self, state):
+        state.published = 9
+        return [Stretch(9, 8, 9, "late", state)]
 
 
 def _chunk(index: int, publish_to: int) -> Chunk:
@@ -67,13 +70,13 @@ def test_the_reference_reaches_super_resolution_and_stretches_are_reported():
     publish(_chunk(1, 6), 2, state)  # holds nothing that ends by frame 6: nothing published, the chunk reported
     state.held.append((4, 8, torch.ones(4, 2)))
     publish(_chunk(2, 8), 3, state, resumable=False)
-    stats = publish.finish(state.published)
+    stats = publish.finish(state)
 
     assert sr.refs == [ref, ref]
     assert [(f.start, f.end) for f in out.got] == [(0, 4), (4, 8)] and torch.equal(out.got[0].z, torch.full((4, 2), 2.))
     assert [(s.start, s.end, s.resumable) for s in stretches] == [(0, 4, True), (4, 8, False), (8, 9, True)]
-    assert [(d.chunk.index, d.published) for d in done] == [(0, 4), (1, 4), (2, 8)]
-    assert stats.frames == 8 and stats.ttff_s == 6.0
+    assert [(d.chunk.index, d.published, d.held) for d in done] == [(0, 4, 1), (1, 4, 1), (2, 8, 1)]
+    assert stats.frames == 9 and stats.ttff_s == 6.0  # the frame held back to the end counts
     assert stats.compute_s["decode_wait"] == 1.5 and {"sr", "decode"} <= set(stats.compute_s)
 
 

@@ -13,7 +13,7 @@ from avatar_cli.media.sink import EMPTY_DIGEST, HashingSink, Sink
 from avatar_cli.media.source import AudioSource
 from avatar_cli.media.writer import Mp4Writer
 from avatar_cli.stages.decode_worker import DecodeWorker
-from avatar_cli.stages.publish import Publisher, PublishHere
+from avatar_cli.stages.publish import Publisher, PublishHere, PublishThread
 
 
 class ListSink:
@@ -42,7 +42,7 @@ class FakeDecode:
         self.family = SimpleNamespace(decode_feeds_back=feeds_back)
         self.calls = 0
 
-    def run(self, final: Final, state: RollingState, sink, size) -> int:
+    def run(self, final: Final, state: RollingState, sink, size, sr=None) -> int:
         self.calls += 1
         if sink is not None:
             for v in final.z.tolist():
@@ -69,7 +69,7 @@ def test_publish_here_decodes_into_its_sink_and_reports_the_stretch():
     state = RollingState(published=3)
     [stretch] = out.publish(Final(3, 5, torch.tensor([1.0, 2.0])), 4, state)
     assert (stretch.next_chunk, stretch.start, stretch.end, stretch.state) == (4, 3, 5, state)
-    assert state.published == 5 and out.first_put is not None and out.finish() == []
+    assert state.published == 5 and out.first_put is not None and out.finish(state) == []
     assert stretch.digest == hashlib.sha256(frames(1, 1).tobytes() + frames(1, 2).tobytes()).hexdigest()
     out.close()
     assert inner.closed
@@ -93,8 +93,9 @@ def members(protocol: type) -> set[str]:
 
 def test_the_shipped_implementations_have_every_member_of_their_protocol():
     for cls, protocol in ((Mp4Writer, Sink), (HashingSink, Sink), (AudioWindowReader, AudioSource),
-                          (PublishHere, Publisher), (DecodeWorker, Publisher)):
+                          (PublishHere, Publisher), (DecodeWorker, Publisher),
+                          (PublishThread, Publisher)):
         missing = {m for m in members(protocol) if not hasattr(cls, m)}
-        if cls in (PublishHere, DecodeWorker):  # attributes set in __init__
+        if cls in (PublishHere, DecodeWorker, PublishThread):  # attributes set in __init__
             missing -= {"first_put", "seconds", "needs"}
         assert not missing, f"{cls.__name__} lacks {sorted(missing)} of {protocol.__name__}"

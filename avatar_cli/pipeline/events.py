@@ -15,6 +15,7 @@ class ChunkDone:
     chunk: Chunk
     elapsed_s: float  # since the render started
     published: int  # frames handed to the encoder so far
+    held: int = 0  # frames decoded but held back by frame super-resolution (stages/sr.py), not yet handed on
 
 
 @dataclass
@@ -82,7 +83,8 @@ class Ready(LiveEvent):
 @dataclass
 class LiveChunk(LiveEvent):
     """A chunk's frames handed to the outputs; latency_s: from the chunk's last audio sample's arrival (None: a file
-    not paced at real time has no arrival time)."""
+    not paced at real time has no arrival time); sr_held: frames decoded but held back by frame super-resolution
+    (at most one SR chunk: they leave with a later chunk's frames)."""
 
     kind: str
     index: int
@@ -91,6 +93,7 @@ class LiveChunk(LiveEvent):
     published: int
     elapsed_s: float
     latency_s: float | None
+    sr_held: int = 0
     name = "chunk"
 
 

@@ -34,6 +34,10 @@ def spec_digest(job: Job) -> str:
     for key in ("text_cache", "text_service", "parallel", "decode", "rings"):
         spec["runtime"].pop(key)
     spec.pop("live")  # a live session's settings: a render that can resume is not one
+    if job.sr_model is None:  # no super-resolution: such a job digests as before the keys existed
+        spec.pop("sr")
+    else:
+        spec["sr"]["model"] = str(job.sr_model)
     if spec.get("dit") is None:  # the model directory's own DiT: such a job digests as before the key existed
         spec.pop("dit", None)
     else:
@@ -75,13 +79,27 @@ def lora_digest(job: Job) -> str:
     return h.hexdigest()
 
 
+def sr_digest(job: Job) -> str:
+    """Frame super-resolution's identity: its scale and every file of its model directory (name, size, mtime,
+    safetensors header)."""
+    h = hashlib.sha256(f"{job.sr_model}:{job.spec.sr.scale}".encode())
+    try:
+        for path in sorted(p for p in job.sr_model.rglob("*") if p.is_file()):
+            _stamp(h, path)
+    except OSError:  # gone since: differs from any digest of the folder, and job.resolve says why
+        h.update(b"missing")
+    return h.hexdigest()
+
+
 def job_fingerprint(job: Job, source: ModelSource) -> dict[str, str]:
-    """The model digest is the base weights' (a job with a LoRA gets its own "lora" entry), so an interrupted
-    render without one resumes as before."""
+    """The model digest is the base weights' (a job with a LoRA gets its own "lora" entry, one with frame
+    super-resolution an "sr" entry), so an interrupted render without them resumes as before."""
     out = {"spec": spec_digest(job), "reference": file_digest(job.reference), "audio": file_digest(job.audio),
            "model": model_digest(_without_lora(source))}
     if job.lora is not None:
         out["lora"] = lora_digest(job)
+    if job.sr_model is not None:
+        out["sr"] = sr_digest(job)
     if source.family.revision:  # revision 0 adds nothing: such a family's points resume as before the key existed
         out["family"] = f"{source.family.name}/{source.family.revision}"
     return out
@@ -96,7 +114,7 @@ def _without_lora(source: ModelSource) -> ModelSource:
 def describe_change(old: dict[str, str], new: dict[str, str]) -> str | None:
     """None if nothing changed, else which of spec/reference/audio/model/lora changed."""
     names = {"spec": "the job spec", "reference": "the reference image", "audio": "the audio", "model": "the model",
-             "lora": "the LoRA",
+             "lora": "the LoRA", "sr": "the super-resolution model or scale",
              "family": "the model family's computation (this version of avatar renders it differently)"}
     changed = [names.get(k, k) for k in (*new, *(k for k in old if k not in new)) if old.get(k) != new.get(k)]
     return ", ".join(changed) or None

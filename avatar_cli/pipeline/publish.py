@@ -6,7 +6,7 @@ the stretches, the chunk's report) is one piece of code and cannot differ betwee
 """
 
 from collections.abc import Callable, Collection
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -58,16 +58,21 @@ class PublishStep:
                     stretches = out.publish(final, next_chunk, state)
             for stretch in stretches:
                 self.on_stretch(stretch if resumable else replace(stretch, resumable=False))
-        self.on_chunk(ChunkDone(chunk, now() - self.t0, state.published))
+        self.on_chunk(ChunkDone(chunk, now() - self.t0, state.published, self.out.held))
 
     def refine(self, z: torch.Tensor) -> torch.Tensor:
         """The family's refine step on final latents, with this job's reference in view."""
         return self.steps.family.refine(self.steps.models(Step.sr), z, self.ref)
 
-    def finish(self, frames: int) -> RenderStats:
-        """Wait for the stretches in flight and report them; the render's stats, `frames` published."""
-        for stretch in self.out.finish():
+    def finish(self, state: RollingState) -> RenderStats:
+        """Wait for the stretches in flight, put what is held back into the Sink, report them; the render's stats,
+        `state.published` frames published (every frame the schedule made)."""
+        # Frame super-resolution's last frames: timed with the decode it follows, where that runs here.
+        with self.timer(Step.decode) if self.out.needs else nullcontext():
+            stretches = self.out.finish(state)
+        for stretch in stretches:
             self.on_stretch(stretch)
+        frames = state.published
         for step, seconds in self.out.seconds.items():  # a decode worker's own compute
             self.timer.seconds[step] += seconds
         # now() is system-wide (CLOCK_MONOTONIC): a worker process's first_put is on this clock too.

@@ -5,6 +5,7 @@ which decodes them, here or in a worker process, into a Sink (media/sink.py); wh
 """
 
 from collections.abc import Callable, Collection, Iterable, Mapping
+from typing import Any
 
 import torch
 
@@ -22,16 +23,19 @@ from avatar_cli.runtime.placement import Placement
 from avatar_cli.spec import JobSpec
 from avatar_cli.stages.base import StageTimer, Steps
 from avatar_cli.stages.publish import DecodePublish, Publisher, PublishHere, PublishThread
+from avatar_cli.stages.sr import FrameSR, SRPlan
 from avatar_cli.stages.prompt import PromptEncode
 
 
 class Pipeline:
     def __init__(self, modules: Mapping[str, Module], family: Family, runtime: Runtime,
                  placement: Placement | None = None, count_flops: bool = False, prompts: PromptCache | None = None,
-                 steps_dist: Dist | None = None, absent: Collection[str] = ()):
+                 steps_dist: Dist | None = None, absent: Collection[str] = (),
+                 sr: tuple[SRPlan, Any] | None = None):
         """prompts: the text cache's PromptCache for this model (prompts/cache.py), or None: encode.
         steps_dist: run the timestep pipeline over these ranks (pipeline/steps.py); absent: components this rank
-        does not load there (a stage that would use one fails saying so)."""
+        does not load there (a stage that would use one fails saying so). sr: frame super-resolution's plan and
+        its loaded models (stages/sr.py), on the rank that writes the frames."""
         modules = {**{n: not_loaded(n) for n in absent}, **modules}
         self.steps_dist = steps_dist
         self.family = family
@@ -43,11 +47,17 @@ class Pipeline:
         self.steps = Steps(family, modules, runtime, self.placement.rings)
         self.prompt = PromptEncode(family, modules, runtime, prompts)
         self.publish = DecodePublish(family, modules, runtime)
+        self.sr = sr
 
     def publish_to(self, sink: Sink | None, size: tuple[int, int]) -> PublishHere:
-        """The inline Publisher: this pipeline's decode into `sink` at `size` (width, height); None: a rank that
-        writes nothing."""
-        return PublishHere(self.publish, sink, size)
+        """The inline Publisher: this pipeline's decode into `sink` at `size` (width, height), through frame
+        super-resolution when the job has it (a stream of its own for each render); None: a rank that writes
+        nothing."""
+        sr = None
+        if self.sr is not None and sink is not None:
+            plan, models = self.sr
+            sr = FrameSR(models, plan, self.runtime.device, self.runtime.dtype)
+        return PublishHere(self.publish, sink, size, sr)
 
     def publish_on_thread(self, sink: Sink, size: tuple[int, int],
                           resume_at: Callable[[int], bool] = lambda block: True) -> PublishThread:
@@ -131,4 +141,4 @@ class Pipeline:
             family.keep(chunk, z, state, spec.chunking)
             # 4. Publish what no later chunk can change: refine, decode, hand to the Sink (pipeline/publish.py).
             publish(chunk, i + 1, state)
-        return publish.finish(state.published)
+        return publish.finish(state)

@@ -216,4 +216,4 @@ def _decode_rank(family: Family, dist_: Dist, chunking, chunks: Iterable[Chunk],
         publish(chunk, i + 1, state, resumable)
         if resumable:
             family.drop_rings(state)  # the resume point has them; the next one gets fresh copies
-    return publish.finish(state.published)
+    return publish.finish(state)

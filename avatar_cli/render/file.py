@@ -103,7 +103,8 @@ def _writer(p: ResolvedJob, job: Opened, built: Built, start: Continue, fingerpr
                 resume_from=start.source, resume_frames=start.copy_to, first_put=start.first_put)
     if p.decode == Decode.worker:  # it decodes and owns the MP4 writer; its startup overlaps the first chunk
         worker = DecodeWorker(p.model, job.runtime, job.dist.world_size, str(p.job.partial_output), args, p.size,
-                              resume_at=copies, vae_dtype=spec.runtime.vae_dtype.value)
+                              resume_at=copies, vae_dtype=spec.runtime.vae_dtype.value, sr=p.sr,
+                              weights=spec.runtime.weights.value)
         reporter.info(f"decode: worker ({p.decode_why}), pid {worker.pid} on {worker.device}")
         return worker, worker
     if p.decode == Decode.thread:

@@ -219,7 +219,7 @@ class Watch:
     def on_chunk(self, d: ChunkDone, clock: FrameClock | None, ends: Endpoints, reporter: Reporter) -> None:
         latency = self.latency(d.published, clock, ends)
         reporter.live(LiveChunk(d.chunk.kind, d.chunk.index, d.chunk.keep[0], d.chunk.keep[1], d.published,
-                                round(d.elapsed_s, 4), None if latency is None else round(latency, 4)))
+                                round(d.elapsed_s, 4), None if latency is None else round(latency, 4), d.held))
         if latency is not None and latency > self.max_latency_s:
             reporter.live(LatencyWarning(round(latency, 3), self.max_latency_s))
         busy = d.elapsed_s - sum(self.waits)  # the render's own time, waits for audio left out

@@ -15,12 +15,14 @@ import os
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from avatar_cli.errors import InputError, RenderError
 from avatar_cli.families.registry import ModelSource, load_modules
 from avatar_cli.job import ResolvedJob, Split
+from avatar_cli.spec import Decode
 from avatar_cli.modules.module import Module
 from avatar_cli.pipeline import checkpoint as ckpt
 from avatar_cli.pipeline.run import Pipeline
@@ -35,6 +37,8 @@ from avatar_cli.runtime.numa import bind_to_gpu_node
 from avatar_cli.runtime.offload import Transfer, host_available
 from avatar_cli.runtime.placement import Placement, place, plan_for
 from avatar_cli.runtime.rings import RingStore
+from avatar_cli.stages.sr import SRPlan
+from avatar_cli.stages.sr import load_models as load_sr_models
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +56,17 @@ class ModelCache:
     loaded: dict[tuple, tuple[dict[str, Module], Placement]] = field(default_factory=dict)
     transfer: Transfer | None = None
     free_bytes: int | None = None
+    sr: dict[tuple, Any] = field(default_factory=dict)  # frame super-resolution's models, as `loaded`
+
+    def get_sr(self, plan: SRPlan, runtime: Runtime, weights: str) -> Any:
+        """The SR models of `plan` on this rank's device (stages/sr.py load_models), loaded once for the jobs of a
+        batch that share them."""
+        key = (str(plan.model), str(runtime.device), str(runtime.dtype), weights)
+        if key not in self.sr:
+            self.sr.clear()  # one SR model resident, as one model set
+            with one_cpu_thread(not runtime.is_cuda and weights == "bf16"):  # copies only, as the family's load
+                self.sr[key] = load_sr_models(plan, runtime.device, runtime.dtype, weights)
+        return self.sr[key]
 
     @staticmethod
     def key(source: ModelSource, runtime: Runtime, rt_spec, split: Split, rings: RingStore) -> tuple:
@@ -247,8 +262,12 @@ def build(p: ResolvedJob, job: Opened, reporter: Reporter, models: ModelCache | 
     modules, placement = models.get(p.model, runtime, Dist() if steps else dist, spec.runtime, reporter,
                                     split=p.parallel, rings=rings, skip=skip,
                                     working_bytes=working_bytes(p, runtime, dist, models, rings))
+    # Frame super-resolution runs where the frames are written: rank 0 (the timestep pipeline's decode rank), or
+    # the decode worker, which loads it itself.
+    here = p.sr is not None and job.main and p.decode != Decode.worker
+    sr = (p.sr, models.get_sr(p.sr, runtime, spec.runtime.weights.value)) if here else None
     pipeline = Pipeline(modules, family, runtime, placement, prompts=prompts,
-                        steps_dist=dist if placement.split == Split.steps else None, absent=absent)
+                        steps_dist=dist if placement.split == Split.steps else None, absent=absent, sr=sr)
     image = family.fit_reference(p.image, *p.gen_size)  # (3, H, W) in [-1, 1]
     for warning in p.warnings if job.main else []:
         reporter.info(warning)

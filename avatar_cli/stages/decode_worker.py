@@ -54,7 +54,10 @@ from avatar_cli.pipeline.events import Stretch
 from avatar_cli.runtime.device import Runtime
 from avatar_cli.runtime.distributed import Dist
 from avatar_cli.runtime.placement import place
-from avatar_cli.stages.publish import DecodePublish
+from avatar_cli.stages.publish import DecodePublish, to_sink
+from avatar_cli.stages.sr import PREFIX as SR_PREFIX
+from avatar_cli.stages.sr import FrameSR, SRPlan
+from avatar_cli.stages.sr import load_models as load_sr_models
 
 DEPTH = 2  # stretches in flight: see the module docstring
 SPILL_BYTES = 256 << 20  # a snapshot bigger than this waits on disk until its acknowledgment, not in host memory
@@ -194,13 +197,19 @@ class DecodeWorker:
 
     def __init__(self, source: Any, runtime: Runtime, world_size: int, writer_path: str, writer_args: dict,
                  size: tuple[int, int], threads: int | None = None,
-                 resume_at: Callable[[int], bool] = lambda block: True, vae_dtype: str = "auto"):
+                 resume_at: Callable[[int], bool] = lambda block: True, vae_dtype: str = "auto",
+                 sr: SRPlan | None = None, weights: str = "bf16"):
         """source: the job's ModelSource; writer_path, writer_args: Mp4Writer's arguments (the worker owns it);
         size: the output (width, height). threads: the worker's torch threads (default: the render process's, so
         its CPU decode rounds as the inline one does). resume_at(block): whether a resume point may follow the
         stretch published after that block (pipeline/checkpoint.py resume_schedule): only those stretches keep a
-        snapshot of the rolling state while in flight. vae_dtype: `runtime.vae_dtype`."""
+        snapshot of the rolling state while in flight. vae_dtype: `runtime.vae_dtype`. sr: frame super-resolution,
+        run in the worker after its decode (stages/sr.py), with `weights` (`runtime.weights`) for its DiT."""
         self.resume_at = resume_at
+        self.sr = sr
+        self._handed: int | None = None  # frames handed over, counted from the Sink's first (a resumed render's)
+        self._out = 0  # frames the worker has put into the MP4, counted alike
+        self._next_chunk = 0
         self._folder = Path(writer_path).parent  # where big snapshots wait (the output's disk)
         self.family: Family = source.family
         self.device = worker_device(runtime, world_size)
@@ -222,19 +231,40 @@ class DecodeWorker:
         wrt = Runtime(self.device, runtime.dtype, runtime.dtype_reason)
         self._proc = ctx.Process(target=_worker_main, name="avatar-decode", daemon=True, args=(
             source, wrt, threads or torch.get_num_threads(), writer_path, writer_args, size, list(self._slots),
-            self._inbox, self._outbox, os.getpid(), vae_dtype))
+            self._inbox, self._outbox, os.getpid(), vae_dtype, sr, weights))
         self._proc.start()
         self.pid = self._proc.pid
 
     # The render loop's calls (the Publisher protocol).
 
+    @property
+    def held(self) -> int:
+        """With frame super-resolution: frames handed over and not yet in the MP4 (in flight, or held back by SR)."""
+        return self._handed - self._out if self.sr is not None and self._handed is not None else 0
+
     def publish(self, final: Final, next_chunk: int, state: RollingState) -> list[Stretch]:
         """Handed over; its resume point is saved once the worker has written it (acknowledged)."""
+        if self._handed is None:  # the Sink's frames so far: a resumed render's point
+            self._handed = self._out = state.published
+        self._handed += final.frames
+        self._next_chunk = next_chunk
         state.published += final.frames
         return self.submit(final, next_chunk, state)
 
-    def finish(self) -> list[Stretch]:
-        return self.drain()
+    def finish(self, state: RollingState) -> list[Stretch]:
+        """Every stretch acknowledged; with SR, the frames it held back written too (`state` counts them)."""
+        done = self.drain()
+        if self.sr is not None:
+            if self._handed is None:  # resumed after its last chunk: SR's state (its held frames) goes over now
+                self._handed = self._out = state.published
+            slot = self._free.popleft()  # every slot is free once drained
+            layout, grown = self._fill(slot, {}, state)
+            self._seq += 1
+            self._sent.append(_Sent(self._seq, slot, self._next_chunk, 0, 0, {}, False, [], 0))
+            self._inbox.put(("flush", self._seq, slot, layout, grown))
+            done += self.drain()
+            state.published = self._out
+        return done
 
     @property
     def seconds(self) -> dict[str, float]:
@@ -250,18 +280,7 @@ class DecodeWorker:
         while not self._free:
             done += self._collect(block=True)
         slot = self._free.popleft()
-        tensors = {"z": final.z}
-        if not self._handed_cache:
-            own = [k for k in state.tensors if self.family.is_decode_state(k)]
-            tensors.update({f"state.{k}": state.tensors.pop(k) for k in own})
-            self._handed_cache = True
-        grown = None
-        need = _nbytes(tensors)
-        if self._slots[slot].numel() < need:
-            # Sized by the largest stretch so far (+25% for the next N chunk's): a handful of reallocations per
-            # render, each handed to the worker once with the stretch that needed it.
-            self._slots[slot] = grown = _shared_buffer(need + need // 4)
-        layout = pack(self._slots[slot], tensors)
+        layout, grown = self._fill(slot, {"z": final.z}, state)
         self._seq += 1
         # A snapshot only where a resume point may follow; a big one (the streaming mode's is ~44 GB at full size)
         # on disk, not in host memory.
@@ -275,6 +294,21 @@ class DecodeWorker:
                                 list(state.held), state.published))
         self._inbox.put(("stretch", self._seq, slot, layout, final.start, final.end, grown, resumable))
         return done
+
+    def _fill(self, slot: int, tensors: dict[str, torch.Tensor], state: RollingState) -> tuple[Layout, Any]:
+        """Pack `tensors` into the slot, with (the first time) the worker's own tensors out of `state`: a resumed
+        render's decoder cache and SR state. -> (their layout, the slot's new buffer or None)."""
+        if not self._handed_cache:
+            own = [k for k in state.tensors if self.family.is_decode_state(k) or k.startswith(SR_PREFIX)]
+            tensors.update({f"state.{k}": state.tensors.pop(k) for k in own})
+            self._handed_cache = True
+        grown = None
+        need = _nbytes(tensors)
+        if self._slots[slot].numel() < need:
+            # Sized by the largest stretch so far (+25% for the next N chunk's): a handful of reallocations per
+            # render, each handed to the worker once with the stretch that needed it.
+            self._slots[slot] = grown = _shared_buffer(need + need // 4)
+        return pack(self._slots[slot], tensors), grown
 
     def drain(self) -> list[Stretch]:
         """Wait for every stretch in flight; returns their acknowledgments in order."""
@@ -382,7 +416,7 @@ class DecodeWorker:
 
     def _acked(self, msg: tuple) -> Stretch:
         """A stretch the worker decoded, wrote and hashed, with the rolling state to resume after it."""
-        _, seq, slot, layout, digest, grown, first_put, decode_s = msg
+        _, seq, slot, layout, digest, grown, first_put, decode_s, written = msg
         sent = self._sent.popleft()
         assert sent.seq == seq, f"decode worker answered stretch {seq}, expected {sent.seq}"
         if grown is not None:
@@ -393,8 +427,10 @@ class DecodeWorker:
             self.first_put = first_put
         self.decode_s += decode_s
         # Saved before this slot is written again (the checkpoint is written from on_stretch, synchronously).
-        state = RollingState(tensors={**sent.tensors, **cache}, held=sent.held, published=sent.published)
-        return Stretch(sent.next_chunk, sent.start, sent.end, digest, state, sent.resumable)
+        # The MP4's frames: the stretch's own, or (frame SR) those SR let out, which lag the decoded ones.
+        start, self._out = self._out, self._out + written
+        state = RollingState(tensors={**sent.tensors, **cache}, held=sent.held, published=self._out)
+        return Stretch(sent.next_chunk, start, self._out, digest, state, sent.resumable)
 
 
 # --- the worker process -------------------------------------------------------------------------------------------
@@ -408,7 +444,7 @@ def _watch_parent(parent: int) -> None:
 
 def _worker_main(source: Any, runtime: Runtime, threads: int, writer_path: str, writer_args: dict,
                  size: tuple[int, int], slots: list[torch.Tensor], inbox: Any, outbox: Any, parent: int,
-                 vae_dtype: str = "auto") -> None:
+                 vae_dtype: str = "auto", sr_plan: SRPlan | None = None, weights: str = "bf16") -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)  # the render process decides when the worker stops (abort or close)
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True, name="parent-watch").start()
@@ -421,9 +457,13 @@ def _worker_main(source: Any, runtime: Runtime, threads: int, writer_path: str, 
         plan = ParallelPlan(float32=family.parallel.float32, bfloat16=family.parallel.bfloat16)
         place(modules, runtime, Dist(), offload="none", plan=plan.with_dtype("vae", vae_dtype))
         publish = DecodePublish(family, modules, runtime)
+        sr = None
+        if sr_plan is not None:
+            sr_models = load_sr_models(sr_plan, runtime.device, runtime.dtype, weights)
+            sr = FrameSR(sr_models, sr_plan, runtime.device, runtime.dtype)
         writer = Mp4Writer(writer_path, **writer_args)
         outbox.put(("ready", os.getpid()))
-        _serve(family, publish, runtime, writer, size, slots, inbox, outbox)
+        _serve(family, publish, runtime, writer, size, slots, inbox, outbox, sr)
     except BaseException as e:  # every failure goes back as one line; the writer keeps what it encoded
         if writer is not None:
             try:
@@ -439,7 +479,7 @@ def _worker_main(source: Any, runtime: Runtime, threads: int, writer_path: str, 
 
 
 def _serve(family: Family, publish: Any, runtime: Runtime, writer: Any, size: tuple[int, int],
-           slots: list[torch.Tensor], inbox: Any, outbox: Any) -> None:
+           slots: list[torch.Tensor], inbox: Any, outbox: Any, sr: FrameSR | None = None) -> None:
     state = RollingState()
     acks: list[torch.Tensor | None] = [None] * len(slots)
     hashing = HashingSink(writer)  # its first_put: when the first frame reached the writer (the render's ttff)
@@ -453,6 +493,20 @@ def _serve(family: Family, publish: Any, runtime: Runtime, writer: Any, size: tu
             writer.abort()
             outbox.put(("aborted",))
             return
+        if msg[0] == "flush":  # the end: SR's held frames into the MP4
+            _, seq, slot, layout, grown = msg
+            if grown is not None:
+                slots[slot] = grown
+            got = unpack(slots[slot], layout)  # a render resumed after its last chunk: SR's state comes only now
+            state.tensors.update({k.removeprefix("state."): v.clone().to(runtime.device) for k, v in got.items()})
+            t0 = time.perf_counter()
+            sr.resume(state)
+            with torch.no_grad():
+                last = sr.finish()  # (held, 3, H, W)
+                to_sink(last, hashing)
+            outbox.put(("done", seq, slot, [], hashing.take_digest(), None, hashing.first_put,
+                        time.perf_counter() - t0, len(last)))
+            continue
         _, seq, slot, layout, start, end, grown, resumable = msg
         if grown is not None:
             slots[slot] = grown
@@ -462,11 +516,17 @@ def _serve(family: Family, publish: Any, runtime: Runtime, writer: Any, size: tu
         z = got.pop("z").to(runtime.device)
         state.tensors.update({k.removeprefix("state."): v.to(runtime.device) for k, v in got.items()})
         t0 = time.perf_counter()
+        if sr is not None:
+            sr.resume(state)  # a resumed render's SR state came with the first stretch
+        held = sr.held if sr is not None else 0
         with torch.no_grad():
-            publish.run(Final(start, end, z), state, hashing, size)
+            n = publish.run(Final(start, end, z), state, hashing, size, sr)
+        written = n + held - (sr.held if sr is not None else 0)
+        if sr is not None:
+            sr.keep(state)
         runtime.synchronize()
         decode_s = time.perf_counter() - t0
-        stray = [k for k in state.tensors if not family.is_decode_state(k)]
+        stray = [k for k in state.tensors if not (family.is_decode_state(k) or k.startswith(SR_PREFIX))]
         if stray:
             raise RenderError(f"the {family.name} family's decode keeps '{stray[0]}' in the rolling state, which its "
                               "is_decode_state does not declare: the worker cannot carry it; use runtime.decode=inline")
@@ -476,7 +536,7 @@ def _serve(family: Family, publish: Any, runtime: Runtime, writer: Any, size: tu
         if cache and (acks[slot] is None or acks[slot].numel() < need):
             acks[slot] = new = _shared_buffer(need)
         layout = pack(acks[slot], cache) if cache else []
-        outbox.put(("done", seq, slot, layout, hashing.take_digest(), new, hashing.first_put, decode_s))
+        outbox.put(("done", seq, slot, layout, hashing.take_digest(), new, hashing.first_put, decode_s, written))
 
 
 def _peak_rss_mb() -> float | None:

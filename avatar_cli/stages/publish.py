@@ -11,6 +11,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Protocol
 
 import torch
@@ -21,6 +22,7 @@ from avatar_cli.media.sink import EMPTY_DIGEST, FrameClock, HashingSink, Sink
 from avatar_cli.pipeline.events import Stretch
 from avatar_cli.runtime.device import CoreShare
 from avatar_cli.stages.base import Stage
+from avatar_cli.stages.sr import FrameSR
 
 
 def fit_frames(x: torch.Tensor, width: int, height: int) -> torch.Tensor:
@@ -39,20 +41,28 @@ def fit_frames(x: torch.Tensor, width: int, height: int) -> torch.Tensor:
     return out
 
 
+def to_sink(x: torch.Tensor, sink: Sink) -> None:
+    """x (t, 3, H, W) in [-1, 1] at the output size -> uint8 frames into the Sink."""
+    if len(x):
+        frames = ((x.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1)  # (t, H, W, 3)
+        sink.put(frames.cpu().numpy())
+
+
 class DecodePublish(Stage):
     step = Step.decode
 
-    def run(self, final: Final, state: RollingState, sink: Sink | None, size: tuple[int, int]) -> int:
-        """final: consecutive final latents; the decoder's cache carries in `state`. Returns frames published.
+    def run(self, final: Final, state: RollingState, sink: Sink | None, size: tuple[int, int],
+            sr: FrameSR | None = None) -> int:
+        """final: consecutive final latents; the decoder's cache carries in `state`. Returns frames decoded.
         sink None: decode for the rolling state only (a rank that writes nothing, of a family whose later chunks
-        are conditioned on decoded frames)."""
+        are conditioned on decoded frames). sr: the frames go through frame super-resolution on their way to the
+        Sink (fitted to its input size first; it may hold some back: FrameSR.held)."""
 
         def put(x: torch.Tensor) -> None:  # x (t, 3, h, w) in [-1, 1]
             if sink is None:
                 return
-            x = fit_frames(x.float(), *size)  # (t, 3, height, width)
-            frames = ((x.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1)  # (t, H, W, 3)
-            sink.put(frames.cpu().numpy())
+            x = fit_frames(x.float(), *(sr.plan.lq if sr is not None else size))  # (t, 3, height, width)
+            to_sink(sr.push(x) if sr is not None else x, sink)  # (t', 3, H, W)
 
         return self.family.decode(self.models, final, state, put)
 
@@ -65,12 +75,16 @@ class Publisher(Protocol):
     frame reached the Sink (media/sink.py `now()`) (None: none yet). seconds: compute seconds it measured itself, added to the loop's.
     refines: False: `publish` is handed refined latents (the loop ran the family's refine step); True: the latents
     before it, with `refine` (the family's refine step bound to this job's models and reference) to run itself.
+    held: frames decoded but not yet in the Sink (frame super-resolution holds some back until it knows more come).
+
+    Stretches count the frames that reached the Sink (`state.published`), which lag the decoded ones by `held`.
     """
 
     needs: tuple[str, ...]
     first_put: float | None
     seconds: dict[str, float]
     refines: bool
+    held: int
 
     def publish(self, final: Final, next_chunk: int, state: RollingState,
                 refine: Callable[[torch.Tensor], torch.Tensor] | None = None) -> list[Stretch]:
@@ -79,7 +93,10 @@ class Publisher(Protocol):
         flight come later). refine: given when `refines`, z_lo -> z_hi."""
         ...
 
-    def finish(self) -> list[Stretch]: ...  # wait for every stretch in flight; their Stretches, in order
+    def finish(self, state: RollingState) -> list[Stretch]:
+        """At the end: wait for every stretch in flight and put what is held back into the Sink (`state`, the
+        last published one's, counts it); their Stretches, in order."""
+        ...
 
     def close(self) -> object: ...  # finish the Sink
 
@@ -88,15 +105,20 @@ class Publisher(Protocol):
 
 class PublishHere:
     """The DecodePublish stage in this process, into `sink` (None: a rank that writes nothing; it decodes only
-    when the family conditions later chunks on decoded frames, and then only for the rolling state)."""
+    when the family conditions later chunks on decoded frames, and then only for the rolling state). sr: frame
+    super-resolution between the decode and the Sink (only where there is a Sink); its state goes into the rolling
+    state after each stretch."""
 
-    def __init__(self, stage: DecodePublish, sink: Sink | None, size: tuple[int, int]):
+    refines = False  # the loop runs the family's refine step before `publish`
+
+    def __init__(self, stage: DecodePublish, sink: Sink | None, size: tuple[int, int], sr: FrameSR | None = None):
         self.stage, self.size = stage, size
         self.hashing = HashingSink(sink) if sink is not None else None
+        self.sr = sr if sink is not None else None
         self.decodes = sink is not None or stage.family.decode_feeds_back
         self.needs = stage.needs if self.decodes else ()
         self.seconds: dict[str, float] = {}
-        self.refines = False
+        self._next_chunk = 0
 
     @property
     def first_put(self) -> float | None:
@@ -108,14 +130,35 @@ class PublishHere:
     def clock(self) -> FrameClock | None:
         return self.hashing.clock if self.hashing is not None else None
 
-    def publish(self, final: Final, next_chunk: int, state: RollingState) -> list[Stretch]:
-        n = self.stage.run(final, state, self.hashing, self.size) if self.decodes else final.frames
-        state.published += n
-        digest = self.hashing.take_digest() if self.hashing is not None else EMPTY_DIGEST
-        return [Stretch(next_chunk, state.published - n, state.published, digest, state)]
+    @property
+    def held(self) -> int:
+        return self.sr.held if self.sr is not None else 0
 
-    def finish(self) -> list[Stretch]:
-        return []
+    def publish(self, final: Final, next_chunk: int, state: RollingState) -> list[Stretch]:
+        self._next_chunk = next_chunk
+        if self.sr is not None:
+            self.sr.resume(state)
+        held = self.held
+        n = self.stage.run(final, state, self.hashing, self.size, self.sr) if self.decodes else final.frames
+        return [self._stretch(n + held - self.held, state)]
+
+    def finish(self, state: RollingState) -> list[Stretch]:
+        if self.sr is None or self.hashing is None:
+            return []
+        self.sr.resume(state)  # a render resumed after its last chunk: the frames SR held are in its state
+        held = self.held
+        with torch.no_grad():
+            to_sink(self.sr.finish(), self.hashing)  # (held, 3, H, W)
+        # No resume point after it: a finished stream takes no more frames, and there are none to come.
+        return [replace(self._stretch(held - self.held, state), resumable=False)]
+
+    def _stretch(self, n: int, state: RollingState) -> Stretch:
+        """The n frames just put into the Sink; with SR, its state (held frames included) into `state`."""
+        state.published += n
+        if self.sr is not None:
+            self.sr.keep(state)
+        digest = self.hashing.take_digest() if self.hashing is not None else EMPTY_DIGEST
+        return Stretch(self._next_chunk, state.published - n, state.published, digest, state)
 
     def close(self) -> object:
         return self.hashing.close() if self.hashing is not None else None
@@ -143,6 +186,7 @@ class PublishThread:
     DEPTH = 2  # one stretch decoding while the next waits: the loop never waits on the handover itself
     needs: tuple[str, ...] = ()
     refines = True  # the super-resolution runs on the thread too: it is the same kind of small convolutions
+    held = 0  # no frame super-resolution here (job.resolve_decode keeps a job with sr.model inline)
 
     def __init__(self, stage: DecodePublish, sink: Sink, size: tuple[int, int], cores: CoreShare,
                  resume_at: Callable[[int], bool] = lambda block: True):
@@ -190,7 +234,7 @@ class PublishThread:
         self._todo.put((final, refine))
         return done
 
-    def finish(self) -> list[Stretch]:
+    def finish(self, state: RollingState | None = None) -> list[Stretch]:
         done = []
         while self._sent:
             done += self._collect(block=True)
