@@ -13,29 +13,34 @@ plan` adds to the rank that decodes.
 """
 
 import functools
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from avatar_cli.modules.module import build_meta
 from avatar_cli.runtime.budget import ModelBytes, SRBudget, blocked_bytes
 from avatar_cli.runtime.device import dtype_name
 from avatar_cli.runtime.flops import flop_counter
 from avatar_cli.runtime.meta_count import peak_bytes
-from avatar_cli.sr.swiftvr import adapter, model_dir, stream
-from avatar_cli.sr.swiftvr.dit import SwiftVRDiT
+from avatar_cli.sr.swiftvr import model_dir, stream
+from avatar_cli.sr.swiftvr.dit import SwiftVRDiT, SwiftVRParams
 from avatar_cli.sr.swiftvr.reae import ReAE, ReAEParams
 
 SIZE_NAME = "swiftvr"  # `sr.model: swiftvr`: the release's size, for a plan without the weights
-FIRST_FRAMES = 28  # the first chunk's input frames (FIRST: clip_len + 4)
-GROUP_FRAMES = 24  # a middle chunk's (clip_len): the most input frames the stream holds back
+FIRST_FRAMES = stream.FIRST  # the first chunk's input frames, the largest chunk (7 latents)
+GROUP_FRAMES = stream.CLIP  # a middle chunk's: the most input frames the stream holds back
 QUANTIZED = ("blocks",)  # the transformer's Linears `runtime.weights` quantizes
-# The release's transformer/config.json (Wan2.2-TI2V-5B's shapes, official README): 4,999,787,712 parameters.
-RELEASE_CONFIG = {"_class_name": "WanTransformer3DModel", "patch_size": [1, 2, 2], "num_attention_heads": 24,
-                  "attention_head_dim": 128, "in_channels": 48, "out_channels": 48, "text_dim": 4096,
-                  "freq_dim": 256, "ffn_dim": 14336, "num_layers": 30, "cross_attn_norm": True,
-                  "qk_norm": "rms_norm_across_heads", "eps": 1e-06, "image_dim": None, "added_kv_proj_dim": None,
-                  "rope_max_seq_len": 1024, "pos_embed_seq_len": None}
-PROMPT_SHAPE = (512, 4096)  # the release's prompt_embedding.safetensors `prompt_emb`, per batch entry
+PROMPT_SHAPE = (512, 4096)  # the release's prompt embedding, prompt_emb[0]: (tokens, text_dim)
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """SwiftVR's sizes: its transformer's, its ReAE's and its prompt embedding's (tokens, dim)."""
+
+    dit: SwiftVRParams
+    reae: ReAEParams
+    prompt: tuple[int, int]
 
 
 def is_size_name(model: str | None, directory: Path | None) -> bool:
@@ -44,25 +49,25 @@ def is_size_name(model: str | None, directory: Path | None) -> bool:
 
 
 @functools.lru_cache(maxsize=4)
-def _params(directory: Path | None):
-    """The transformer's params: the directory's config.json, or the release's."""
+def sizes(directory: Path | None) -> Sizes:
+    """A release directory's sizes from its config and headers (checked as a render checks them: InputError naming
+    what does not fit), or the release's (None)."""
     if directory is None:
-        return adapter.params_from_config(RELEASE_CONFIG)
-    model_dir.check(directory)  # headers against the config: a plan of a broken directory says so, as a render does
-    return adapter.params_from_config(model_dir.read_config(directory))
+        return Sizes(SwiftVRParams.release(), ReAEParams.release(), PROMPT_SHAPE)
+    rel = model_dir.read_release(directory)
+    return Sizes(rel.dit, rel.reae, tuple(rel.prompt.shape[1:]))
 
 
-def _on_meta(params, dtype: torch.dtype) -> stream.SRModels:
-    with torch.device("meta"):
-        dit = SwiftVRDiT(params).to(dtype).eval()
-        reae = ReAE(ReAEParams()).to(dtype).eval()
-        prompt = torch.empty(1, *PROMPT_SHAPE, dtype=dtype)
-    return stream.SRModels(reae=reae, dit=dit, prompt=prompt)
+def on_meta(s: Sizes, dtype: torch.dtype) -> stream.SRModels:
+    """SwiftVR's models built on the meta device in `dtype`: shapes and dtypes, no storage."""
+    return stream.SRModels(reae=build_meta(ReAE, s.reae).to(dtype).eval(),
+                           dit=build_meta(SwiftVRDiT, s.dit).to(dtype).eval(),
+                           prompt=torch.empty(s.prompt, dtype=dtype, device="meta"))
 
 
 @functools.lru_cache(maxsize=8)
-def _models(params, dtype: torch.dtype, weights: str) -> dict[str, ModelBytes]:
-    m = _on_meta(params, dtype)
+def _models(s: Sizes, dtype: torch.dtype, weights: str) -> dict[str, ModelBytes]:
+    m = on_meta(s, dtype)
     prompt = m.prompt.numel() * m.prompt.element_size()
     return {"sr_dit": blocked_bytes(m.dit, m.dit.blocks, dtype, weights, QUANTIZED),
             # the prompt embedding rides with the autoencoder: both small, both resident while the stage runs
@@ -74,14 +79,14 @@ def _state_bytes(s: stream.SRStream) -> int:
 
 
 @functools.lru_cache(maxsize=8)
-def _chunk(params, dtype: torch.dtype, lq_hw: tuple[int, int], scale: int) -> tuple[int, float, int, tuple[int, int]]:
+def _chunk(sz: Sizes, dtype: torch.dtype, lq_hw: tuple[int, int], scale: int
+           ) -> tuple[int, float, int, tuple[int, int]]:
     """(activation peak, FLOPs, carried state at its fullest, output (h, w)) of the first chunk on meta."""
-    m = _on_meta(params, dtype)
+    m = on_meta(sz, dtype)
     h, w = lq_hw
 
     def first() -> stream.SRStream:
-        s = stream.SRStream(m, lq_hw, scale, torch.device("meta"), dtype)
-        return s
+        return stream.SRStream(m, lq_hw, scale, torch.device("meta"), dtype)
 
     frames = torch.empty(FIRST_FRAMES + 1, 3, h, w, dtype=dtype, device="meta")  # one more: the first is not LAST
     s = first()
@@ -100,8 +105,8 @@ def sr_budget(directory: Path | None, size: tuple[int, int], scale: int, dtype: 
               weights: str = "bf16") -> SRBudget:
     """SwiftVR at the family's frame `size` (width, height) times `scale`: directory None counts the release's size.
     The models in `dtype`, the transformer's block Linears under `runtime.weights`."""
-    params = _params(directory)
+    sz = sizes(directory)
     w, h = size
-    peak, flops, state, (oh, ow) = _chunk(params, dtype, (h, w), scale)
-    return SRBudget("swiftvr", scale, size, (ow, oh), _models(params, dtype, weights), peak=peak, state=state,
+    peak, flops, state, (oh, ow) = _chunk(sz, dtype, (h, w), scale)
+    return SRBudget("swiftvr", scale, size, (ow, oh), _models(sz, dtype, weights), peak=peak, state=state,
                     flops=flops, chunk_frames=FIRST_FRAMES)

@@ -303,15 +303,14 @@ def test_super_resolution_adds_its_models_meta_count_on_the_rank_that_decodes(sr
     import torch
 
     from avatar_cli.runtime.meta_count import n_bytes
-    from avatar_cli.sr.swiftvr import adapter
-    from avatar_cli.sr.swiftvr.dit import SwiftVRDiT
+    from avatar_cli.sr.swiftvr.dit import SwiftVRDiT, SwiftVRParams
     from avatar_cli.sr.swiftvr.reae import ReAE, ReAEParams
-    from avatar_cli.sr_budget import PROMPT_SHAPE, RELEASE_CONFIG
+    from avatar_cli.sr_budget import PROMPT_SHAPE
 
     base, sr = sr_pair
     with torch.device("meta"):
-        dit = SwiftVRDiT(adapter.params_from_config(RELEASE_CONFIG))
-        reae = ReAE(ReAEParams())
+        dit = SwiftVRDiT(SwiftVRParams.release())
+        reae = ReAE(ReAEParams.release())
     params = n_bytes(dit.to(torch.bfloat16)) // 2, n_bytes(reae.to(torch.bfloat16)) // 2
     assert params == (4_999_787_712, 40_946_364)
     counted = 2 * (sum(params) + PROMPT_SHAPE[0] * PROMPT_SHAPE[1])  # bf16
