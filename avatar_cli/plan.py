@@ -336,7 +336,8 @@ def _sr_s(sr: SRBudget, m: Machine, util: float, offload: str) -> tuple[float, s
     if not moved:
         return compute, how
     t = moved / (m.card.host_gbs * GB)
-    return max(compute, t), how + f"; its transformer from the host: {moved / GB:.1f} GB at {m.card.host_gbs:g} GB/s = {t:.3f} s"
+    return max(compute, t), how + (f"; its transformer from the host: {moved / GB:.1f} GB at "
+                                   f"{m.card.host_gbs:g} GB/s = {t:.3f} s")
 
 
 def _speed(b: Budget, m: Machine, util: float, p_split: str, decode: str, ranks: list[RankPlan],
@@ -433,8 +434,8 @@ def make_plan(job: Job, m: Machine, util: float = 0.4) -> Plan:
         ranks[0].host_bytes += b.state if rings_at == "host" else b.sink  # pinned; or the sink beside the file
     gpu = max(r.gpu_bytes for r in ranks)
     host = sum(r.host_bytes * r.count for r in ranks) + int(HOST_RESERVE)
-    sr_rank = ranks[-1] if split == Split.steps else ranks[0]  # the decode rank is planned last
-    sr_offload = layouts[ranks.index(sr_rank)].offload if sr_models else "none"
+    # the decode rank is planned last; a decode worker holds the super-resolution resident
+    sr_offload = layouts[-1 if split == Split.steps else 0].offload if sr_models else "none"
     speed = _speed(b, m, util, split.value, decode, ranks, loaded, tier, rings_at, sr, sr_offload)
     notes = list(b.notes)
     if rings_host:
@@ -457,16 +458,17 @@ def make_plan(job: Job, m: Machine, util: float = 0.4) -> Plan:
                 decode=decode, decode_why=decode_why, vae_dtype=b.models["vae"].dtype, text=text, text_why=text_why,
                 weights=_weights_label(job, weights, b, dtype), weights_why=_weights_why(job, weights, b, dtype_why),
                 host_tier=tier, host_tier_why=tier_why, ranks=ranks,
-                model_bytes={n: s.total for n, s in (b.models | (sr.models if sr else {})).items()}, gpu_bytes=gpu, gpu_capacity=m.gpu_bytes, host_bytes=host,
+                model_bytes={n: s.total for n, s in (b.models | (sr.models if sr else {})).items()}, gpu_bytes=gpu,
+                gpu_capacity=m.gpu_bytes, host_bytes=host,
                 host_capacity=m.host_bytes, fits=fits, speed=speed, notes=notes,
-                sr=_sr_line(job, sr, _sr_where(split.value, decode, m.gpus), sr_rank) if sr is not None else None)
+                sr=_sr_line(job, sr, _sr_where(split.value, decode, m.gpus), sr_offload) if sr is not None else None)
 
 
-def _sr_line(job: Job, sr: SRBudget, where: str, r: RankPlan) -> dict:
+def _sr_line(job: Job, sr: SRBudget, where: str, offload: str) -> dict:
     """What the plan says of the super-resolution: where it runs and what it adds there (its weights, the state it
     carries, its largest chunk's activations), counted on meta."""
     return {"model": str(job.spec.sr.model), "scale": sr.scale, "size": list(sr.out_size), "where": where,
-            "offload": r.offload if where != "the decode worker (rank 0's GPU)" else "none",
+            "offload": offload,
             "weights_bytes": sum(x.total for x in sr.models.values()), "state_bytes": sr.state,
             "work_bytes": sr.peak, "flops": sr.flops, "chunk_frames": sr.chunk_frames}
 

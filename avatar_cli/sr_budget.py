@@ -1,8 +1,9 @@
 """SwiftVR's budget (runtime/budget.py `SRBudget`) for a job's `sr.model`, counted on the meta device: what `avatar
 plan` adds to the rank that decodes.
 
-- Parameters: the transformer and ReAE built on meta, from a model directory's transformer/config.json or at the
-  release's size (`sr.model: swiftvr`, no weights), in the runtime dtype; under `runtime.weights: fp8 | int8` the
+- Parameters: the transformer and ReAE built on meta, at a model directory's sizes (transformer/config.json, the
+  ReAE's and the prompt's from their headers: sr/swiftvr/model_dir.py read_release) or at the release's
+  (`sr.model: swiftvr`, no weights), in the runtime dtype; under `runtime.weights: fp8 | int8` the
   transformer's block Linears as torchao lays them out (runtime/quantize.py). The prompt embedding is held too.
 - One chunk at the output size: the first, the largest (28 input frames, 7 latents; official
   `swiftvr/streaming/chunk.py:build_chunk_specs` with the release's clip_len 24): its frames upscaled, encoded,
@@ -48,10 +49,9 @@ def is_size_name(model: str | None, directory: Path | None) -> bool:
     return model == SIZE_NAME and (directory is None or not directory.is_dir())
 
 
-@functools.lru_cache(maxsize=4)
 def sizes(directory: Path | None) -> Sizes:
     """A release directory's sizes from its config and headers (checked as a render checks them: InputError naming
-    what does not fit), or the release's (None)."""
+    what does not fit), or the release's (None). Read each time (headers only): the counts are cached by sizes."""
     if directory is None:
         return Sizes(SwiftVRParams.release(), ReAEParams.release(), PROMPT_SHAPE)
     rel = model_dir.read_release(directory)
