@@ -363,27 +363,21 @@ def _sr_init(directory: Path, size: str, seed: int) -> dict:
     if size != "tiny":
         raise InputError(f"--size: {size}: swiftvr is written at the tiny size only (the release's weights are "
                          "downloaded, not initialised)")
-    sr_dir.init_tiny(directory, seed)
-    params = sum(c["params"] for c in _sr_components(directory).values())
+    params = sum(c["params"] for c in _sr_components(sr_dir.init_tiny(directory, seed)).values())
     return {"event": "model", "name": str(directory), "family": SR_FAMILY, "size": size, "params": params,
             "trained": False, "location": str(directory.resolve())}
 
 
-def _sr_components(directory: Path) -> dict[str, dict]:
-    """Each file of a SwiftVR directory from its safetensors header: tensors, parameters, bytes, dtypes."""
-    from avatar_cli.modules.tensor_files import read_header
-
-    t = directory / "transformer"
-    index = t / "diffusion_pytorch_model.safetensors.index.json"
-    files = {"reae": directory / "reae.safetensors", "prompt": directory / "prompt_embedding.safetensors",
-             "transformer": index if index.is_file() else t / "diffusion_pytorch_model.safetensors"}
-    out = {}
-    for name, f in files.items():
-        infos = read_header(f).values()
-        out[name] = {"file": str(f), "tensors": len(infos), "params": sum(i.numel for i in infos),
-                     "bytes": sum(i.nbytes for i in infos), "dtypes": sorted({str(i.dtype).removeprefix("torch.")
-                                                                              for i in infos})}
-    return out
+def _sr_components(rel) -> dict[str, dict]:
+    """Each file of a checked SwiftVR directory (sr/swiftvr/model_dir.py ReleaseDir), from its headers: tensors,
+    parameters, bytes, dtypes."""
+    infos = {"reae": (rel.reae_index.source, rel.reae_index.tensors.values()),
+             "prompt": (str(rel.prompt.file), [rel.prompt]),
+             "transformer": (rel.dit_index.source, rel.dit_index.tensors.values())}
+    return {name: {"file": f, "tensors": len(ts), "params": sum(i.numel for i in ts),
+                   "bytes": sum(i.nbytes for i in ts),
+                   "dtypes": sorted({str(i.dtype).removeprefix("torch.") for i in ts})}
+            for name, (f, ts) in infos.items()}
 
 
 def _sr_check(directory: Path) -> dict:
@@ -391,8 +385,7 @@ def _sr_check(directory: Path) -> dict:
     mis-shaped tensor, a pickle, another model's transformer: InputError naming it), then each file's counts."""
     from avatar_cli.sr.swiftvr import model_dir as sr_dir
 
-    sr_dir.read_release(directory)
-    comps = _sr_components(directory)
+    comps = _sr_components(sr_dir.read_release(directory))
     lines = [f"{directory}: SwiftVR (sr.model), the release's layout"]
     lines += [f"  {n:12} {c['tensors']:5} tensors {c['params']:>15,} params {c['bytes'] / 1e9:8.3f} GB "
               f"{','.join(c['dtypes'])}  ok" for n, c in comps.items()]
