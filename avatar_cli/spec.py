@@ -204,6 +204,9 @@ class LiveSpec:
     realtime: Union[bool, str] = "auto"
     max_latency_s: float = 5.0  # warn when a chunk's frames leave later than this after its last audio arrived
     hls_keep_segments: bool = False  # HLS: keep every segment (and list it); else a rolling window of the newest
+    # HLS: seconds per segment, a keyframe at each (rounded up to whole frames). A segment is listed once complete,
+    # so a frame waits up to this long; shorter costs bits (more keyframes) and more playlist requests.
+    hls_segment_s: float = 1.0
     record: Optional[str] = None  # also write the session to this MP4 (fragmented: playable even if killed)
     preview: bool = False  # serve the HLS output and a player page on loopback (media/preview/), URL printed
     raw_audio: RawAudioSpec = field(default_factory=RawAudioSpec)
@@ -456,6 +459,7 @@ def validate(s: JobSpec) -> None:
         (s.live.stall_s > 0, "live.stall_s must be positive"),
         (s.live.first_audio_s > 0, "live.first_audio_s must be positive"),
         (s.live.max_latency_s > 0, "live.max_latency_s must be positive"),
+        (0 < s.live.hls_segment_s <= 10, "live.hls_segment_s must be positive and at most 10 (seconds per segment)"),
         (s.live.realtime in (True, False, "auto"), "live.realtime must be true, false or auto"),
         (s.live.raw_audio.format in (None, "s16le", "s16be", "s32le", "f32le", "f64le", "u8"),
          "live.raw_audio.format must be one of s16le, s16be, s32le, f32le, f64le, u8 (or null)"),

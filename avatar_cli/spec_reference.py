@@ -96,6 +96,7 @@ COMMENTS = {
     "live.realtime": "a file's frames leave at the stream's pace: true | false | auto (auto: for a live output)",
     "live.max_latency_s": "warn when a chunk's frames leave later than this after its last audio arrived",
     "live.hls_keep_segments": "HLS: keep and list every segment; false: a rolling window of the newest",
+    "live.hls_segment_s": "HLS: seconds per segment, a keyframe at each (shorter: listed sooner, more bits)",
     "live.record": "also write the session to this MP4 (fragmented: playable even if the session is killed)",
     "live.preview": "serve the HLS output and a player page on loopback, URL printed (`--preview`)",
     "live.raw_audio.format": "s16le | s16be | s32le | f32le | f64le | u8; null: the input has a header",

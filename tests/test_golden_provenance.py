@@ -10,9 +10,12 @@ from packaging.specifiers import SpecifierSet
 from safetensors import safe_open
 
 GOLDEN = Path(__file__).parent / "golden"
-# Weights the official run wrote through transformers' save_pretrained, which leaves no room for our metadata: the
-# golden's JSON (official.json) records that run.
-LIBRARY_WRITTEN = {"model.safetensors", "w2v_model.safetensors"}
+# Weights the official run wrote through transformers' or diffusers' save_pretrained, which leave no room for our
+# metadata: the golden's JSON (official.json) records that run.
+LIBRARY_WRITTEN = {"model.safetensors", "w2v_model.safetensors", "diffusion_pytorch_model.safetensors"}
+# What each official repository's runs must have recorded, beyond torch: the pins of the libraries the run relied on.
+REQUIRED_PINS = {"Wan-Video/Wan2.2": ("transformers_pin",), "Alibaba-Quark/LiveAvatar": ("transformers_pin",),
+                 "H-oliday/SwiftVR": ("torch_pin", "diffusers_pin", "safetensors_pin", "numpy_pin")}
 FILES = sorted(p for p in GOLDEN.rglob("*.safetensors") if p.name not in LIBRARY_WRITTEN)
 RECORDS = sorted(p for p in GOLDEN.rglob("*.json") if "official" in json.loads(p.read_text()))
 
@@ -22,9 +25,9 @@ def test_goldens_are_found():
 
 
 def check(path: Path, prov: dict) -> None:
-    assert prov["repository"] in ("Wan-Video/Wan2.2", "Alibaba-Quark/LiveAvatar")
+    assert prov["repository"] in REQUIRED_PINS
     assert len(prov["commit"]) == 40
-    assert "transformers_pin" in prov and "torch" in prov
+    assert "torch" in prov and all(pin in prov for pin in REQUIRED_PINS[prov["repository"]]), prov
     for dist, version in prov.items():
         pin = prov.get(f"{dist}_pin")
         if pin:

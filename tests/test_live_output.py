@@ -14,6 +14,7 @@ import pytest
 
 from avatar_cli.errors import InputError
 from avatar_cli.media.live import HLS_LIST_SIZE, LiveWriter, live_target
+from tests.conftest import avatar
 
 FPS, RATE, SIZE = 25, 16000, 64
 
@@ -113,6 +114,32 @@ def test_hls_playlist_is_live_then_ended(tmp_path: Path):
     assert durations[:3] == [1.0, 1.0, 1.0] and sum(durations) == pytest.approx((3 * FPS + 2) / FPS, abs=0.05)
     with av.open(str(playlist)) as c:
         assert sum(1 for _ in c.decode(video=0)) == 3 * FPS + 2
+
+
+def test_hls_half_second_segments_cut_on_their_own_keyframes(tmp_path: Path):
+    """live.hls_segment_s 0.5 at 25 fps: a keyframe every 13 frames (0.5 s rounded up to whole frames, so the
+    muxer's cut is never short of hls_time), and a segment at each."""
+    playlist = tmp_path / "live.m3u8"
+    target = live_target(str(playlist), hls_segment_s=0.5)
+    assert target.options["hls_time"] == "0.5" and target.keyframe_frames(FPS) == 13
+    write(target, 2 * FPS)
+    durations = [float(line.split(":")[1].rstrip(",")) for line in playlist.read_text().splitlines()
+                 if line.startswith("#EXTINF")]
+    assert durations[:3] == [0.52, 0.52, 0.52] and sum(durations) == pytest.approx(2, abs=0.05)
+    with av.open(str(playlist)) as c:
+        keys = [i for i, p in enumerate(sorted((p for p in c.demux(video=0) if p.size), key=lambda p: p.pts))
+                if p.is_keyframe]
+    assert keys == [0, 13, 26, 39]
+
+
+def test_a_session_cuts_hls_at_its_hls_segment_s(job_dir: Path):
+    """live.hls_segment_s reaches the session's HLS output (the tiny model's job, unpaced)."""
+    playlist = job_dir / "hls" / "live.m3u8"
+    r = avatar("render", str(job_dir / "job.yaml"), "-o", str(playlist), "live.hls_segment_s=0.5",
+               "live.realtime=false", "live.hls_keep_segments=true")
+    assert r.returncode == 0, r.stderr
+    durations = [line for line in playlist.read_text().splitlines() if line.startswith("#EXTINF")]
+    assert len(durations) >= 3 and durations[0] == "#EXTINF:0.520000,"
 
 
 @pytest.mark.parametrize("keep", [False, True])

@@ -66,6 +66,7 @@ def test_overrides_and_output_flag(tmp_path, monkeypatch):
     (BASE, ["video.width=256"], "set together"),
     (BASE, ["sampling.steps=0"], "sampling.steps"),
     (BASE, ["output=out.mov"], "output must end in .mp4"),
+    (BASE, ["live.hls_segment_s=0"], "live.hls_segment_s must be positive"),
     (BASE, ["video.fps"], "expected key=value"),
     ("- a\n- b\n", [], "mapping"),
     ("reference: [unclosed\n", [], "not valid YAML"),

@@ -1,6 +1,7 @@
 """The timestep pipeline (runtime.parallel: steps, pipeline/steps.py): the choice of the way ranks split the work,
 and a 2-clip tiny wan-s2v streaming render with a 2-step schedule on 3 gloo ranks (a decode rank and one per step)
-whose frames equal one process's; a pipeline render killed mid-way resumes in one process, bit-identically."""
+whose frames equal one process's; a pipeline render killed mid-way resumes in one process, bit-identically; and one
+batch on 2 ranks of two jobs that differ only in runtime.parallel, each placed as its spec says."""
 
 import io
 import json
@@ -134,16 +135,40 @@ def decoded(path: Path):
         return np.stack([f.to_ndarray(format="rgb24") for f in c.decode(video=0)]).astype(int)
 
 
+@pytest.fixture(scope="module")
+def one_step_jobs(job: Path) -> tuple[Path, Path]:
+    """Two jobs that differ only in runtime.parallel (and where they write). One denoising step: 2 ranks are then
+    one step rank and a decode rank for the timestep pipeline, or a degree-2 split of every forward (2 heads)."""
+    text = job.read_text().replace("sampling: {steps: 2}", "sampling: {steps: 1}")
+    paths = []
+    for how in ("steps", "sequence"):
+        path = job.parent / f"one_step_{how}.yaml"
+        path.write_text(text.replace("output: out/video.mp4", f"output: out/one_step_{how}.mp4")
+                        .replace("threads: 1}", f"threads: 1, parallel: {how}}}"))
+        paths.append(path)
+    return paths[0], paths[1]
+
+
 @pytest.mark.slow
-def test_two_ranks_sequence_parallel_match_one_process(job: Path, one_rank: dict):
-    """The other way: each block's forward split over 2 ranks (Ulysses over heads, live_parallel.py), the caches
-    head-sharded and gathered on rank 0 for its resume points. Float sums in another order: the lossless video's
-    values may differ by a level or two in a few places, never more."""
-    out = job.parent / "out" / "sp.mp4"
-    res = avatar_process("render", str(job), "--nproc", "2", "--json", "-o", str(out), cwd=REPO, timeout=600)
+def test_a_batch_of_jobs_differing_only_in_parallel_places_each_as_its_spec_says(one_step_jobs):
+    """One batch on 2 ranks: the timestep pipeline (rank 1 the decode rank, loading only what decoding needs), then
+    sequence parallel (every rank holding the whole DiT, each block's forward split over heads, the caches
+    head-sharded and gathered on rank 0 for its resume points). Had the second job reused the first's load and
+    placement, rank 1 would have no DiT to run. Each equals one process's render of the same job: the pipeline
+    bit for bit; sequence parallel sums in another order, so the lossless video's values may differ by a level or
+    two in a few places, never more."""
+    steps_job, sequence_job = one_step_jobs
+    res = avatar_process("render", str(steps_job), str(sequence_job), "--nproc", "2", "--json", cwd=REPO,
+                         timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "parallel: sequence (auto: 2 ranks, not 2 steps + 1)" in res.stderr
-    a, b = decoded(out), decoded(job.parent / "out" / "one.mp4")
+    done = [e for e in events(res.stdout) if e["event"] == "done"]
+    assert [(d["ranks"], d["parallel"]) for d in done] == [(2, "steps"), (2, "sequence")]
+    assert res.stderr.count("parallel: steps (asked for; 2 ranks = 1 denoising steps + a decode rank)") == 1
+    assert res.stderr.count("parallel: sequence (asked for)") == 1
+    one = render_here(steps_job, steps_job.parent / "out" / "one_step_one.mp4")
+    assert done[0]["frames"] == done[1]["frames"] == one["frames"] == 93
+    assert done[0]["frames_digest"] == one["frames_digest"]
+    a, b = decoded(steps_job.parent / "out" / "one_step_sequence.mp4"), decoded(steps_job.parent / "out" / "one_step_one.mp4")
     assert a.shape == b.shape == (93, 64, 64, 3)
     diff = abs(a - b)
     assert diff.max() <= 4 and (diff > 0).mean() < 1e-3

@@ -57,10 +57,11 @@ def test_toy_family_end_to_end(toy_registered, tmp_path: Path):
     assert first.exit_code == 0, first.output
     done = events(first.output)[-1]
     assert done["event"] == "done" and done["frames"] == 18 and done["transitions"] is False
+    assert done["parallel"] == "single"
     assert done["text_cache"] == "miss"
     assert list(done) == ["event", "output", "frames", "video_fps", "duration_s", "wall_s", "ttff_s", "render_fps",
                           "rtf", "peak_rss_mb", "load_s", "generate_s", "compute_s", "resumed_at", "frames_digest",
-                          "ranks", "text_cache", "dtype", "dtype_reason", "cpu_capability", "transitions"]
+                          "ranks", "parallel", "text_cache", "dtype", "dtype_reason", "cpu_capability", "transitions"]
     assert list(done["compute_s"]) == ["reference", "prompt", "context", "a2v", "sr", "decode"]  # families.base.Step
     assert (tmp_path / "out" / "video.mp4").stat().st_size > 0
     assert len(list((tmp_path / "text").glob("*.safetensors"))) == 1

@@ -2,6 +2,7 @@
 (tests/whip_endpoint.py), which receives the tracks; the tests count what it decoded and look for gaps."""
 
 import json
+import signal
 import socket
 import threading
 import time
@@ -10,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from avatar_cli.errors import InputError
-from avatar_cli.media import whip
+from avatar_cli.errors import InputError, RenderError
+from avatar_cli.media import whip, whip_peer
 from avatar_cli.media.live import live_target
 from avatar_cli.media.whip import live_writer
 from avatar_cli.media.whip import OPUS_RATE, WhipWriter, _Opus48k
@@ -79,6 +80,82 @@ def test_a_stream_reaches_the_peer_with_the_token_and_ends_with_delete():
     check_stream(report, 3 * FPS)
 
 
+def test_a_session_past_the_consent_expiry_stays_up():
+    """A strict peer checks consent (RFC 7675) and drops a sender that does not answer: here it would after 2 s,
+    and the stream runs 5 s (FFmpeg's whip muxer, which answers no consent check, is dropped by then)."""
+    seconds = 5
+    with WhipPeer(consent_s=2.0) as peer:
+        w = live_writer(live_target(peer.url), width=SIZE, height=SIZE, fps=FPS, audio_path=Tone(), realtime=True)
+        w.put(frames(seconds * FPS))
+        w.close()
+        time.sleep(0.3)
+        report = peer.report()
+    assert report["states"][:2] == ["connecting", "connected"] and "failed" not in report["states"]
+    assert report["deletes"] == ["/resource/1"]
+    check_stream(report, seconds * FPS)
+
+
+def test_close_is_bounded_when_the_endpoint_stops_answering(monkeypatch):
+    """The endpoint's process stops (SIGSTOP: its sockets stay open, nothing answers, not even the DELETE): close()
+    gives up after CLOSE_TIMEOUT_S instead of hanging."""
+    monkeypatch.setattr(whip_peer, "CLOSE_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(whip_peer, "DRAIN_S", 0.5)
+    with WhipPeer() as peer:
+        w = live_writer(live_target(peer.url), width=SIZE, height=SIZE, fps=FPS, audio_path=Tone(), realtime=True)
+        w.put(frames(FPS))
+        while len(peer.report()["video_times"]) < FPS // 2:
+            time.sleep(0.05)
+        peer.proc.send_signal(signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            w.close()
+            took = time.monotonic() - t0
+        finally:
+            peer.proc.send_signal(signal.SIGCONT)
+    assert took < 2.0 + 1.0 + 2.0  # the drain, the bound, and the frames still to pace
+    assert not [t for t in threading.enumerate() if t.name in ("mp4-writer", "whip-peer")]
+
+
+def test_an_endpoint_that_hangs_up_is_gone_and_close_returns():
+    """The endpoint closes the connection mid-stream (gracefully: DTLS close_notify): the writer says it went away,
+    and closing does not wait on it."""
+    with WhipPeer() as peer:
+        w = live_writer(live_target(peer.url), width=SIZE, height=SIZE, fps=FPS, audio_path=Tone(), realtime=True)
+        w.put(frames(FPS // 2))
+        while len(peer.report()["video_times"]) < FPS // 4:
+            time.sleep(0.05)
+        peer.hang_up()
+        with pytest.raises(RenderError, match=f"output: {peer.url}: the WHIP endpoint went away .*closed"):
+            w.put(frames(3 * FPS))
+            w.close()
+        w.abort()
+    assert not [t for t in threading.enumerate() if t.name in ("mp4-writer", "whip-peer")]
+
+
+def test_the_handshake_does_not_stay_in_the_frames_latency(monkeypatch):
+    """The frame clock starts with the first frame, before the handshake (here one of 5 s on a fake clock): the
+    frames that waited for it leave at once after it, instead of every frame leaving 5 s after its time."""
+    from avatar_cli.media.pacing import FramePacer
+    from tests.test_live_output import FakeClock
+
+    clock = FakeClock()
+    connect = whip._PeerOutput.start_encoding
+
+    def slow_handshake(self):
+        connect(self)
+        clock.t += 5.0
+
+    monkeypatch.setattr(whip._PeerOutput, "start_encoding", slow_handshake)
+    with WhipPeer() as peer:
+        pacer = FramePacer(FPS, now=clock.now, sleep=clock.sleep)
+        w = live_writer(live_target(peer.url), width=SIZE, height=SIZE, fps=FPS, audio_path=Tone(), realtime=True,
+                        pacer=pacer)
+        w.put(frames(FPS))
+        w.close()
+    assert pacer.first == 100.0  # the clock started with frame 0, not after the handshake
+    assert clock.t == pytest.approx(105.0)  # every frame was due before the handshake ended: none waited after it
+
+
 def test_a_refused_offer_is_bad_input_naming_the_url():
     with WhipPeer(refuse=403) as peer:
         w = live_writer(live_target(peer.url), width=SIZE, height=SIZE, fps=FPS, audio_path=Tone())
@@ -96,7 +173,7 @@ def test_an_endpoint_that_does_not_answer_is_bad_input(monkeypatch):
         silent.bind(("127.0.0.1", 0))
         silent.listen()
         url = f"http://127.0.0.1:{silent.getsockname()[1]}/live/whip"
-        monkeypatch.setattr(whip, "ANSWER_TIMEOUT_S", 0.5)
+        monkeypatch.setattr(whip_peer, "ANSWER_TIMEOUT_S", 0.5)
         with pytest.raises(InputError, match=f"output: {url}: the WHIP endpoint does not answer .*timed out"):
             live_writer(live_target(url), width=SIZE, height=SIZE, fps=FPS, audio_path=Tone())
     assert not [t for t in threading.enumerate() if t.name == "mp4-writer"]  # nothing left running
@@ -139,17 +216,20 @@ def test_session_bad_input_is_exit_2(job_dir: Path):
     assert not [t for t in threading.enumerate() if t.name == "mp4-writer"]  # nothing left running
 
 
-def test_an_endpoint_gone_mid_session_is_exit_1_with_a_playable_recording(job_dir: Path, tmp_path: Path):
-    """The endpoint's process dies a second in: the muxer's next packets are refused, the session ends with exit 1
-    naming the URL, and the recording plays."""
+def test_an_endpoint_gone_mid_session_is_exit_1_with_a_playable_recording(job_dir: Path, tmp_path: Path,
+                                                                           monkeypatch):
+    """The endpoint's process dies two seconds in: its receiver reports stop (GONE_S, shortened here), the session
+    ends with exit 1 naming the URL, and the recording plays."""
     from tests.test_live_session import decode
 
+    monkeypatch.setattr(whip_peer, "GONE_S", 1.5)
     write_wav(job_dir / "speech.wav", 8.0)
     record = tmp_path / "rec.mp4"
     with WhipPeer() as peer:
         def hang_up():
             deadline = time.monotonic() + 60
-            while len(peer.report()["video_times"]) < FPS and time.monotonic() < deadline:
+            # Two seconds in: the peer has sent receiver reports (aiortc: every 0.5 to 1.5 s), whose stop tells.
+            while len(peer.report()["video_times"]) < 2 * FPS and time.monotonic() < deadline:
                 time.sleep(0.1)
             peer.gone()
 
@@ -160,5 +240,5 @@ def test_an_endpoint_gone_mid_session_is_exit_1_with_a_playable_recording(job_di
     assert r.returncode == 1, r.stderr
     assert f"output: {peer.url}: the WHIP endpoint went away" in r.stderr and "Traceback" not in r.stderr
     published = max(e["published"] for e in events(r.stdout) if e["event"] == "chunk")
-    assert FPS <= published < 8 * FPS  # ended early, after the hang-up
+    assert 2 * FPS <= published < 8 * FPS  # ended early, after the hang-up
     assert decode(record, fmt=None)[0] >= FPS  # the recording is finished and plays

@@ -2,6 +2,10 @@
 process of its own (`WhipPeer` starts it): PyAV holds the GIL while its muxer posts the offer and shakes hands, so an
 endpoint in the muxer's process would never get to answer.
 
+aiortc's ICE checks consent (RFC 7675) as a strict peer does: a binding request every CONSENT_INTERVAL seconds, and
+the session dropped after CONSENT_FAILURES unanswered in a row (about 30 s by default). `consent_s` shortens that
+expiry to about that many seconds, in the endpoint's process.
+
 POST an SDP offer to `url`: the endpoint answers as an ingest server does (201 Created, the answer, a `Location`
 header naming the session's resource, relative as servers usually give it) and receives the tracks: every decoded
 video frame and audio frame is counted, with its timestamp, so a test can check counts and gaps. DELETE to the
@@ -20,13 +24,16 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import aioice.ice
+import aioice.stun
 from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError
 
+CONSENT_RTO = 0.1  # seconds a consent check waits for its answer, with consent_s (aioice's default: 0.5)
 RECEIVE_BUFFER = 8 << 20  # bytes: a burst of RTP at the kernel's default buffer loses packets on a busy machine
 
 _host_addresses = aioice.ice.get_host_addresses
@@ -41,11 +48,13 @@ class Received:
     """What the endpoint received: per decoded frame its timestamp in seconds; audio as sample counts."""
 
     video_times: list[float] = field(default_factory=list)
+    video_arrivals: list[float] = field(default_factory=list)  # time.monotonic() as each frame was decoded
     audio_times: list[float] = field(default_factory=list)
     audio_samples: int = 0
     audio_rate: int = 0
     audio_peak: float = 0.0  # the largest sample seen: speech, not silence
     kinds: list[str] = field(default_factory=list)
+    states: list[str] = field(default_factory=list)  # the peer connection's states, in order
 
 
 class WhipEndpoint:
@@ -120,6 +129,7 @@ class WhipEndpoint:
 
         @pc.on("connectionstatechange")
         async def on_state() -> None:
+            self.received.states.append(pc.connectionState)
             if pc.connectionState == "connected":
                 self._widen_buffers(pc)
                 self.connected.set()
@@ -146,6 +156,7 @@ class WhipEndpoint:
                 return
             if track.kind == "video":
                 r.video_times.append(float(frame.time))
+                r.video_arrivals.append(time.monotonic())
             else:
                 r.audio_times.append(float(frame.time))
                 r.audio_samples += frame.samples
@@ -178,26 +189,34 @@ class WhipEndpoint:
         r = self.received
         return dict(url=self.url, offers=len(self.offers), authorization=self.authorization, deletes=self.deletes,
                     connected=self.connected.is_set(), kinds=r.kinds, video_times=r.video_times,
+                    video_arrivals=r.video_arrivals,
                     audio_times=r.audio_times, audio_samples=r.audio_samples, audio_rate=r.audio_rate,
-                    audio_peak=r.audio_peak)
+                    audio_peak=r.audio_peak, states=r.states)
 
 
-def serve(refuse: int | None) -> None:
+def serve(refuse: int | None, consent_s: float | None) -> None:
     """The endpoint's process: prints its URL, then answers `report` on stdin with a JSON line of what it
-    received; at the end of stdin it closes."""
+    received; at the end of stdin it closes. `consent_s`: the peer's consent expires after this long unanswered."""
+    if consent_s is not None:  # each check waits one STUN timeout for its answer: short on loopback
+        aioice.stun.RETRY_RTO = CONSENT_RTO
+        aioice.ice.CONSENT_INTERVAL = consent_s / aioice.ice.CONSENT_FAILURES - CONSENT_RTO
     endpoint = WhipEndpoint(refuse)
     print(endpoint.url, flush=True)
     for line in sys.stdin:
         if line.strip() == "report":
             print(json.dumps(endpoint.report()), flush=True)
+        elif line.strip() == "hang up":  # close the peer connections (DTLS close_notify), keep serving HTTP
+            asyncio.run_coroutine_threadsafe(endpoint._close_peers(), endpoint._loop).result(30)
+            print(json.dumps({}), flush=True)
     endpoint.close()
 
 
 class WhipPeer:
-    """The endpoint in a process of its own: `url`, `report()` (what it received so far), `gone()`, `close()`."""
+    """The endpoint in a process of its own: `url`, `report()` (what it received so far), `hang_up()`, `gone()`,
+    `close()`."""
 
-    def __init__(self, refuse: int | None = None):
-        args = [] if refuse is None else [str(refuse)]
+    def __init__(self, refuse: int | None = None, consent_s: float | None = None):
+        args = [str(refuse), str(consent_s)]
         self.proc = subprocess.Popen([sys.executable, __file__, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      text=True)
         self.url = self.proc.stdout.readline().strip()
@@ -210,6 +229,10 @@ class WhipPeer:
 
     def report(self) -> dict:
         return self._ask("report")
+
+    def hang_up(self) -> None:
+        """The endpoint closes the session gracefully, as a server whose operator ends the stream."""
+        self._ask("hang up")
 
     def gone(self) -> None:
         """The endpoint's process dies, as a server that crashes: every socket it held closes."""
@@ -231,4 +254,4 @@ class WhipPeer:
 
 
 if __name__ == "__main__":
-    serve(int(sys.argv[1]) if len(sys.argv) > 1 else None)
+    serve(None if sys.argv[1] == "None" else int(sys.argv[1]), None if sys.argv[2] == "None" else float(sys.argv[2]))

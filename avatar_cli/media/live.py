@@ -2,16 +2,17 @@
 
     -o -                    MPEG-TS on stdout, for `| ffplay -` or `| ffmpeg ...`
     -o rtmp://host/app/key  FLV to an RTMP server (also rtmps://)
-    -o out/live.m3u8        HLS: ~1 s segments beside the playlist, which is rewritten as each segment completes and
-                            ends with EXT-X-ENDLIST when the session ends
+    -o out/live.m3u8        HLS: 1-s segments (live.hls_segment_s) beside the playlist, which is rewritten as each
+                            segment completes and ends with EXT-X-ENDLIST when the session ends
     -o udp://host:port      MPEG-TS over UDP (also tcp://)
     -o http://host/whip     WebRTC to a WHIP endpoint (also https://): H.264 and Opus, media/whip.py
 
-Everything goes through the FFmpeg inside PyAV's wheel (its muxers and protocols): no ffmpeg binary at run time.
+Everything goes through the FFmpeg inside PyAV's wheel (its muxers and protocols), but WHIP, whose packets aiortc
+sends: no ffmpeg binary at run time.
 
 The encoder is the file writer's (`Mp4Writer`: same colour settings, same AAC priming rule, same back-pressure),
-with the settings a live stream needs: a keyframe every second (where HLS cuts segments and where a viewer who joins
-can start), no B-frames, x264's zerolatency tune (no lookahead: a frame's packet leaves as the frame goes in) and a
+with the settings a live stream needs: a keyframe every second, or every HLS segment (where HLS cuts segments and
+where a viewer who joins can start), no B-frames, x264's zerolatency tune (no lookahead: a frame's packet leaves as the frame goes in) and a
 constant frame rate. With `realtime`, frames are muxed on the stream's frame clock (media/pacing.py: frame k at the
 first frame's time + k / fps, as `ffmpeg -re`), so a server gets a stream rather than a burst; a renderer that runs
 ahead blocks on the writer's queue instead of piling frames up.
@@ -20,6 +21,7 @@ ahead blocks on the writer's queue instead of piling frames up.
 from __future__ import annotations
 
 import errno
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +37,7 @@ from avatar_cli.media.writer import Mp4Writer
 
 __all__ = ["LiveTarget", "live_target", "LiveWriter", "HLS_SEGMENT_S", "HLS_LIST_SIZE"]
 
-HLS_SEGMENT_S = 1  # seconds per segment: a keyframe every second lets the muxer cut exactly there
+HLS_SEGMENT_S = 1.0  # seconds per segment (live.hls_segment_s): a keyframe as often lets the muxer cut exactly there
 HLS_LIST_SIZE = 6  # segments a rolling playlist names (players start ~3 segments from its live edge)
 HLS_MIN_FREE = 1 << 20  # bytes a segment folder must have free before a segment starts
 # URL schemes that FFmpeg opens for writing and the muxer each one takes.
@@ -58,6 +60,12 @@ class LiveTarget:
     url: str
     format: str
     options: dict[str, str] = field(default_factory=dict, repr=False)  # repr=False: WHIP's hold its bearer token
+    keyframe_s: float = 1.0  # seconds between keyframes (HLS: its segment length, which the muxer cuts on)
+
+    def keyframe_frames(self, fps: float) -> int:
+        """Frames between keyframes: `keyframe_s` rounded up to whole frames (HLS cuts a segment at the first
+        keyframe at least `hls_time` after its start, so the interval must not fall short of it)."""
+        return max(1, math.ceil(self.keyframe_s * fps - 1e-6))
 
     @property
     def kind(self) -> str:
@@ -66,10 +74,12 @@ class LiveTarget:
         return self.format if self.format in ("hls", "whip") else urlsplit(self.url).scheme
 
 
-def live_target(output: str, *, keep_segments: bool = False, bearer_token: str | None = None) -> LiveTarget | None:
+def live_target(output: str, *, keep_segments: bool = False, bearer_token: str | None = None,
+                hls_segment_s: float = HLS_SEGMENT_S) -> LiveTarget | None:
     """The live target `output` names, or None when it names a file (an MP4 render).
 
-    HLS keeps the newest HLS_LIST_SIZE segments on disk and in the playlist, deleting older ones, so a session of
+    HLS cuts a segment every `hls_segment_s` seconds (rounded up to whole frames), on a keyframe put there: a
+    shorter segment is listed sooner, and costs the bits of the extra keyframes. HLS keeps the newest HLS_LIST_SIZE segments on disk and in the playlist, deleting older ones, so a session of
     any length holds bounded disk; `keep_segments` keeps every segment and lists them all (an "event" playlist a
     late viewer can seek back in, which grows with the session). An http(s) URL is a WHIP endpoint;
     `bearer_token` goes in its `Authorization` header."""
@@ -77,9 +87,7 @@ def live_target(output: str, *, keep_segments: bool = False, bearer_token: str |
         return LiveTarget("-", "mpegts", dict(MPEGTS_LOW_DELAY))
     scheme = urlsplit(output).scheme.lower()
     if scheme in ("http", "https"):
-        # dtls_active: avatar starts the DTLS handshake rather than waiting for the server's (media/whip.py).
-        options = {"whip_flags": "dtls_active", **({"authorization": bearer_token} if bearer_token else {})}
-        return LiveTarget(output, "whip", options)
+        return LiveTarget(output, "whip", {"authorization": bearer_token} if bearer_token else {})
     if scheme in STREAM_SCHEMES:
         fmt = STREAM_SCHEMES[scheme]
         options = dict(MPEGTS_LOW_DELAY if fmt == "mpegts" else LOW_DELAY)
@@ -93,13 +101,13 @@ def live_target(output: str, *, keep_segments: bool = False, bearer_token: str |
                          f"(use -, rtmp://, rtmps://, udp://, tcp://, http(s):// for WHIP, a .m3u8 path, or an .mp4 file)")
     if output.lower().endswith(".m3u8"):
         folder = Path(output).parent
-        options = {"hls_time": str(HLS_SEGMENT_S), "hls_segment_type": "mpegts",
+        options = {"hls_time": f"{hls_segment_s:g}", "hls_segment_type": "mpegts",
                    "hls_segment_filename": str(folder / (Path(output).stem + "_%05d.ts"))}
         if keep_segments:
             options.update(hls_list_size="0", hls_playlist_type="event")
         else:
             options.update(hls_list_size=str(HLS_LIST_SIZE), hls_flags="delete_segments")
-        return LiveTarget(output, "hls", options)
+        return LiveTarget(output, "hls", options, keyframe_s=hls_segment_s)
     return None
 
 
@@ -122,6 +130,12 @@ class LiveWriter(Mp4Writer):
         self._stdout = stdout
         self.pacer = pacer if pacer is not None else FramePacer(kw["fps"])
         super().__init__(target.url, total_frames=total_frames, preset=preset, **kw)
+
+    def _add_video(self, codec: str, crf: int, preset: str, threads: int | None) -> av.VideoStream:
+        stream = super()._add_video(codec, crf, preset, threads)
+        gop = str(self.target.keyframe_frames(float(self.rate)))  # the file writer's is a second
+        stream.options = {**stream.options, "g": gop, **({"keyint_min": gop} if "keyint_min" in stream.options else {})}
+        return stream
 
     def _open_container(self) -> av.container.OutputContainer:
         t = self.target

@@ -2,33 +2,30 @@
 
 WHIP (RFC 9725) is one HTTP exchange: the client POSTs an SDP offer (`application/sdp`), the server answers
 201 Created with its SDP answer and a `Location` header naming the session's resource, ICE and DTLS connect, and
-SRTP carries H.264 and Opus. At the end the client sends DELETE to the resource. All of it is FFmpeg's `whip` muxer,
-inside PyAV's wheel: it POSTs (with `Authorization: Bearer <token>` from `live.bearer_token_file`), shakes hands,
-packetizes, answers NACKs with retransmissions, checks ICE consent, and sends the DELETE (to the `Location`
-resolved against the POST URL) when the container closes. What this module adds around the muxer:
+SRTP carries H.264 and Opus. At the end the client sends DELETE to the resource.
 
-- A DTLS certificate on P-256, made per session with `cryptography` (the `whip` extra). The muxer's own is on
-  P-224, which OpenSSL-based peers (aiortc, pion and so MediaMTX) refuse at the handshake.
-- `whip_flags=dtls_active`: avatar opens the DTLS handshake instead of waiting for the server to, which saves a
-  round of ICE retries.
+The live writer's encoders make the packets (x264 with the live settings, in the baseline profile browsers take;
+libopus), and aiortc's peer connection (the `whip` extra) sends them as they come: ICE as a full agent (it answers
+the endpoint's consent checks and makes its own, RFC 7675), DTLS on a P-256 certificate, SRTP, RTP packetization and
+retransmission on NACK. FFmpeg's `whip` muxer, inside PyAV's wheel, does all of that in one piece, but once connected
+it answers no consent check, so a peer that enforces consent (aiortc; a browser taking the stream directly) drops the
+session after about 30 s; and it holds the GIL while it connects and closes, so nothing can bound either. Here the
+peer runs on an asyncio loop in a thread of its own, and every wait on it has a timeout.
+
+- When it connects. The endpoint is asked once, with a plain HTTP OPTIONS request under a timeout, when the output
+  opens, before any model loads (a server that does not answer is exit 2 then); the offer goes at the first frame,
+  once the models are loaded: a peer left idle while they load would drop the session.
 - Opus in WebRTC is 48 kHz stereo: the session's audio (16-kHz mono speech) is resampled and doubled.
-- H.264 in the baseline profile, as browsers and aiortc take it (profile-level-id 42e0xx).
-- When it connects. The muxer connects when its header is written, and PyAV writes a header holding the GIL, with
-  no timeout it can interrupt. So the endpoint is asked once, with a plain HTTP OPTIONS request under a timeout,
-  when the output opens, before any model loads (a server that does not answer is exit 2 then); the offer goes
-  at the first frame, once the models are loaded: a peer left idle while they load would drop the session (ICE
-  consent lapses after 30 s of silence, RFC 7675).
-- Errors in words: an offer refused (4xx), or an endpoint that does not answer, is exit 2 naming the URL; an
-  endpoint that goes away mid-session (the muxer sees its socket refused, or ICE consent lapse) is exit 1.
+- Errors in words: an offer refused (4xx), or an endpoint that does not answer the offer or never connects, is
+  exit 2 naming the URL; an endpoint that goes away mid-session is exit 1: its connection fails (consent lapsed,
+  or it closed it), or, once it has sent RTCP receiver reports, none has come for GONE_S.
+- The end: the last packets get DRAIN_S to leave, the connection closes, the DELETE goes; the whole close is bounded
+  by CLOSE_TIMEOUT_S, so an endpoint that stops answering cannot hold the session.
 """
 
 from __future__ import annotations
 
-import datetime
-import ssl
-import tempfile
-import urllib.error
-import urllib.request
+import os
 from fractions import Fraction
 from pathlib import Path
 
@@ -42,10 +39,9 @@ from avatar_cli.media.writer import AudioFeed
 
 __all__ = ["WhipWriter", "live_writer", "read_bearer_token", "check_available", "is_whip_output", "OPUS_RATE"]
 
-OPUS_RATE = 48000  # the muxer's Opus: 48 kHz stereo only
+OPUS_RATE = 48000  # Opus in WebRTC: 48 kHz stereo
 OPUS_PRIMING = 312  # libopus's encoder delay at 48 kHz (its initial_padding), dropped as AAC's priming is
 OPUS_BIT_RATE = 64000  # bits/s: transparent for speech
-ANSWER_TIMEOUT_S = 10.0  # the endpoint must answer the reachability check within this
 WHIP_SCHEMES = ("http://", "https://")
 
 
@@ -54,11 +50,11 @@ def is_whip_output(output: str) -> bool:
 
 
 def check_available(url: str) -> None:
-    """WHIP needs `cryptography` for its DTLS certificate: without it, exit 2 before any model loads."""
+    """WHIP needs aiortc (the `whip` extra): without it, exit 2 before any model loads."""
     try:
-        import cryptography  # noqa: F401, PLC0415 (only a WHIP output needs it)
+        import aiortc  # noqa: F401, PLC0415 (only a WHIP output needs it)
     except ImportError:
-        raise InputError(f"output: {url}: a WHIP output needs the cryptography package "
+        raise InputError(f"output: {url}: a WHIP output needs the aiortc package "
                          "(pip install 'avatar-cli[whip]')") from None
 
 
@@ -74,41 +70,6 @@ def read_bearer_token(path: Path) -> str:
     if any(c in token for c in "\r\n"):
         raise InputError(f"live.bearer_token_file: {path}: holds more than one line (one token is expected)")
     return token
-
-
-def _dtls_certificate(folder: Path) -> tuple[str, str]:
-    """A self-signed P-256 certificate and its key, PEM files in `folder` (DTLS peers check the fingerprint that
-    the SDP carries, not a chain)."""
-    from cryptography import x509  # noqa: PLC0415 (the whip extra)
-    from cryptography.hazmat.primitives import hashes, serialization  # noqa: PLC0415
-    from cryptography.hazmat.primitives.asymmetric import ec  # noqa: PLC0415
-    from cryptography.x509.oid import NameOID  # noqa: PLC0415
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "avatar")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(days=1))
-            .not_valid_after(now + datetime.timedelta(days=30)).sign(key, hashes.SHA256()))
-    cert_file, key_file = folder / "dtls.crt", folder / "dtls.key"
-    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
-    return str(cert_file), str(key_file)
-
-
-def check_answers(url: str, timeout_s: float | None = None) -> None:
-    """The endpoint answers HTTP: any response counts (many answer OPTIONS with 405 or 404; the offer says whether
-    it takes the stream). The certificate of an https endpoint is not checked, as FFmpeg's TLS does not check it."""
-    request = urllib.request.Request(url, method="OPTIONS")
-    try:
-        urllib.request.urlopen(request, timeout=ANSWER_TIMEOUT_S if timeout_s is None else timeout_s,
-                               context=ssl._create_unverified_context()).close()
-    except urllib.error.HTTPError:
-        return
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        why = exc.reason if isinstance(exc, urllib.error.URLError) else exc
-        raise InputError(f"output: {url}: the WHIP endpoint does not answer ({reason(why)})") from None
 
 
 class _Opus48k:
@@ -149,26 +110,60 @@ class _Opus48k:
         self.feed.close()
 
 
+class _PeerOutput:
+    """What the writer muxes into for WHIP: PyAV's `null` muxer gives the encoders their streams (no bytes are
+    written: x264 then keeps SPS and PPS in band, before each keyframe, as RTP wants them), and each packet muxed
+    goes to the peer session, which is made when the first frame connects it."""
+
+    def __init__(self, url: str, token: str | None):
+        self.url, self.token = url, token
+        self.null = av.open(os.devnull, "w", format="null")
+        self.session = None  # whip_peer.PeerSession, once connected
+
+    def add_stream(self, *args, **kw):
+        return self.null.add_stream(*args, **kw)
+
+    @property
+    def metadata(self) -> dict:
+        return self.null.metadata
+
+    def start_encoding(self) -> None:
+        """POST the offer, follow the answer, connect."""
+        from avatar_cli.media.whip_peer import PeerSession  # noqa: PLC0415 (aiortc: the whip extra)
+
+        self.session = PeerSession(self.url, self.token)
+        self.session.connect()
+
+    def mux(self, packet: av.Packet) -> None:
+        if self.session is not None and packet.size:  # (before the connection nothing is encoded)
+            self.session.send(packet.stream.type, packet)
+
+    def close(self) -> None:
+        try:
+            if self.session is not None:
+                self.session.close()
+        finally:
+            self.null.close()
+
+
 class WhipWriter(LiveWriter):
-    """The live writer, muxing to a WHIP endpoint (module docstring). The target is `live_target`'s for an
-    http(s) URL; the encoder's settings are the live writer's, in the baseline profile, with Opus audio."""
+    """The live writer, its packets sent to a WHIP endpoint by aiortc (module docstring). The target is
+    `live_target`'s for an http(s) URL; the encoder's settings are the live writer's, in the baseline profile,
+    with Opus audio."""
 
     audio_priming = OPUS_PRIMING
+    _container: _PeerOutput
 
     def __init__(self, target: LiveTarget, **kw) -> None:
         check_available(target.url)
+        from avatar_cli.media.whip_peer import check_answers  # noqa: PLC0415 (aiortc: the whip extra)
+
         check_answers(target.url)
-        self._certs = tempfile.TemporaryDirectory(prefix="avatar-whip-")
         self._connected = False
         super().__init__(target, **kw)
 
-    def _open_container(self) -> av.container.OutputContainer:
-        cert_file, key_file = _dtls_certificate(Path(self._certs.name))
-        options = {**self.target.options, "cert_file": cert_file, "key_file": key_file}
-        try:
-            return av.open(self.target.url, "w", format="whip", options=options)
-        except (av.error.FFmpegError, OSError) as exc:
-            raise InputError(f"output: {self.target.url}: cannot open the WHIP output ({reason(exc)})") from None
+    def _open_container(self) -> _PeerOutput:
+        return _PeerOutput(self.target.url, self.target.options.get("authorization"))
 
     def _start(self) -> None:
         """Open the encoders (a bad codec setting fails here); the offer waits for the first frame."""
@@ -177,23 +172,17 @@ class WhipWriter(LiveWriter):
             self._audio.codec_context.open()
 
     def _connect(self) -> None:
-        """POST the offer, follow the answer, shake hands: the muxer does it all as the header is written."""
         try:
             self._container.start_encoding()
+        except InputError:
+            raise
         except BaseException as exc:
             raise self._start_failed(exc, self._video.codec_context.name) from None
-        finally:
-            self._certs.cleanup()  # read by the handshake; a key has no business staying on disk
         self._connected = True
 
     def _start_failed(self, exc: BaseException, codec: str) -> BaseException:
-        url = self.target.url
-        if isinstance(exc, av.error.HTTPClientError):
-            return InputError(f"output: {url}: the WHIP endpoint refused the offer ({reason(exc)})")
-        if isinstance(exc, (av.error.HTTPError, av.error.HTTPServerError)):
-            return InputError(f"output: {url}: the WHIP endpoint failed to answer the offer ({reason(exc)})")
-        if isinstance(exc, OSError):  # refused, unreachable, or ICE / DTLS that never completed
-            return InputError(f"output: {url}: the WHIP endpoint does not answer ({reason(exc)})")
+        if isinstance(exc, OSError):
+            return InputError(f"output: {self.target.url}: the WHIP endpoint does not answer ({reason(exc)})")
         return super()._start_failed(exc, codec)
 
     def _add_video(self, codec: str, crf: int, preset: str, threads: int | None) -> av.VideoStream:
@@ -213,6 +202,8 @@ class WhipWriter(LiveWriter):
 
     def _encode_frame(self, rgb) -> None:
         if not self._connected:
+            if self.realtime:  # the frame clock starts with the first frame, not after the handshake: else the
+                self.pacer.wait(self._frames_written)  # handshake's time would stay in every frame's latency
             self._connect()
         super()._encode_frame(rgb)
 
@@ -220,22 +211,18 @@ class WhipWriter(LiveWriter):
         err = self._error
         if isinstance(err, InputError):  # the offer, refused at the first frame
             raise err
-        if isinstance(err, OSError) and self._connected:
-            raise RenderError(f"output: {self.target.url}: the WHIP endpoint went away ({reason(err)})") from err
+        if isinstance(err, ConnectionError) and self._connected:  # whip_peer.EndpointGone
+            raise RenderError(f"output: {self.target.url}: the WHIP endpoint went away ({err})") from err
         super()._raise_if_failed()
 
     def _finalize(self) -> None:
         if self._connected and self._error is None:
-            super()._finalize()  # closing the container sends the DELETE
+            super()._finalize()  # the last packets go out, then the connection closes and the DELETE goes
             return
-        # Never connected (nothing to flush, nothing to delete), or the muxer failed: it can block on a packet
-        # muxed after its failure, so none is.
+        # Never connected (nothing to flush, nothing to delete), or the endpoint failed: close what there is.
         if self._feed is not None:
             self._feed.close()
-        try:
-            self._container.close()
-        finally:
-            self._certs.cleanup()
+        self._container.close()
 
 
 def live_writer(target: LiveTarget, **kw) -> LiveWriter:

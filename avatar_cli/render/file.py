@@ -201,7 +201,8 @@ def summarize(p: ResolvedJob, job: Opened, built: Built, stats, frames_digest: s
         rtf=round(made / fps / gen_s, 4) if gen_s > 0 else 0.0,
         peak_rss_mb=round(peak_rss_mb(), 1), load_s=round(t_render - t_start, 4), generate_s=round(gen_s, 4),
         compute_s={k: round(v, 4) for k, v in stats.compute_s.items()}, resumed_at=first_put,
-        frames_digest=frames_digest, ranks=job.dist.world_size, text_cache=built.text_cache,
+        frames_digest=frames_digest, ranks=job.dist.world_size,
+        parallel=str(built.placement.split), text_cache=built.text_cache,
         dtype=dtype_name(job.runtime.dtype), dtype_reason=job.runtime.dtype_reason,
         cpu_capability=cpu_info().capability, transitions=p.job.spec.chunking.transitions)
 

@@ -132,7 +132,7 @@ def _stdout_for_stream(main: bool, url: str | None) -> Iterator[int | None]:
 def _target(p: ResolvedJob) -> LiveTarget | None:
     """The job's live output (None: an MP4 file), with a WHIP endpoint's bearer token."""
     live, token_file = p.job.spec.live, p.job.bearer_token_file
-    return live_target(str(p.job.output), keep_segments=live.hls_keep_segments,
+    return live_target(str(p.job.output), keep_segments=live.hls_keep_segments, hls_segment_s=live.hls_segment_s,
                        bearer_token=read_bearer_token(token_file) if token_file is not None else None)
 
 

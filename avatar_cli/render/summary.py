@@ -38,6 +38,7 @@ class Summary(MutableMapping):
     resumed_at: int  # the frame generation continued from (0: from the start)
     frames_digest: str  # sha256 over every frame's pixels, in order: equal renders have equal digests
     ranks: int
+    parallel: str  # how the ranks split the work, as the models were placed: single | sequence | steps
     text_cache: str  # hit | service | miss | off
     dtype: str
     dtype_reason: str

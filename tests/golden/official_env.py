@@ -15,6 +15,15 @@ speech and pose tooling) is never imported by the tiny runs and is not installed
 newest release it admits is taken, except diffusers: its range (`>=0.31.0`) is open above, so a golden would depend on
 the day it was made; it is held at 0.33.1, a release inside the range from before the official code was published.
 
+SwiftVR (H-oliday/SwiftVR) pins every requirement with `==`, torch included, so its environment takes torch from that
+pin (2.10.0, the PyPI wheel: a CUDA build, which runs on a CPU with its nvidia libraries installed beside it), not
+from the project's. Its makers import only torch, diffusers (with accelerate, which diffusers' loader needs for the
+release's fp32-module rule), safetensors, numpy, pillow, decord and imageio (both imported by `swiftvr/io.py` at
+import time); transformers, torchvision, einops and imageio-ffmpeg are never imported and not installed:
+
+    python3 tests/golden/official_env.py create /tmp/swiftvr-venv --profile swiftvr \
+        --repo /work/.mirror/H-oliday+SwiftVR/repo
+
 Each maker calls `provenance(repo)` before it writes: it refuses to run when an installed version falls outside the
 requirements file's pin (the check that would have caught a golden made under transformers 5), and returns the
 versions and the commit to store in each golden's metadata (`official` in the safetensors header, a JSON key elsewhere).
@@ -36,6 +45,10 @@ IMPORTED = ("torch", "transformers", "tokenizers", "diffusers", "numpy", "ftfy",
 HELD = {"diffusers": "0.33.1"}  # see the module docstring
 TORCH = ("torch==2.14.1", "torchvision==0.29.1", "torchaudio==2.11.0")  # the project's pin, inside `torch>=2.4.0`
 EXTRA = ("safetensors", "pillow", "packaging")  # what the makers themselves use to read and write files
+# SwiftVR's makers: what its code paths import (huggingface-hub comes unpinned with diffusers and is recorded as such).
+SWIFTVR_IMPORTED = ("torch", "diffusers", "accelerate", "huggingface-hub", "safetensors", "numpy", "pillow", "decord",
+                    "imageio")
+PROFILES = {"wan": IMPORTED, "swiftvr": SWIFTVR_IMPORTED}
 
 
 def requirements(repo: Path) -> dict[str, str]:
@@ -56,14 +69,14 @@ def commit(repo: Path) -> str:
                           text=True).stdout.strip()
 
 
-def provenance(repo: Path, name: str) -> dict[str, str]:
+def provenance(repo: Path, name: str, imported: tuple[str, ...] = IMPORTED) -> dict[str, str]:
     """The official commit, the versions the run imports and the pins they satisfy; raises when one is outside its pin."""
     from packaging.specifiers import SpecifierSet
 
     pins = requirements(repo)
     out = {"repository": name, "commit": commit(repo), "python": platform.python_version()}
     bad = []
-    for dist in IMPORTED:
+    for dist in imported:
         try:
             version = metadata.version(dist)
         except metadata.PackageNotFoundError:
@@ -85,6 +98,16 @@ def as_metadata(prov: dict[str, str]) -> dict[str, str]:
     return {"official": json.dumps(prov, sort_keys=True)}
 
 
+def create_swiftvr(venv: Path, repo: Path) -> None:
+    """SwiftVR's environment: every imported distribution at its `==` pin, torch with its own (nvidia) dependencies."""
+    pins = requirements(repo)
+    wanted = [f"{d}{pins.get(d, '')}" for d in SWIFTVR_IMPORTED]
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-compile"]
+    subprocess.run([*pip, *wanted, "packaging"], check=True)
+    print(f"{venv}: {' '.join(wanted)}")
+
+
 def create(venv: Path, repo: Path) -> None:
     pins = requirements(repo)
     wanted = [f"{d}{HELD.get(d) and '==' + HELD[d] or pins.get(d, '')}" for d in IMPORTED
@@ -102,13 +125,15 @@ def main() -> None:
     c = sub.add_parser("create", help="build the official environment in a new venv")
     c.add_argument("venv", type=Path)
     c.add_argument("--repo", type=Path, required=True, help="a git clone of the official repository")
+    c.add_argument("--profile", choices=sorted(PROFILES), default="wan")
     s = sub.add_parser("show", help="print what this interpreter would record (and check the pins)")
     s.add_argument("--repo", type=Path, required=True)
+    s.add_argument("--profile", choices=sorted(PROFILES), default="wan")
     args = ap.parse_args()
     if args.command == "create":
-        create(args.venv, args.repo)
+        (create_swiftvr if args.profile == "swiftvr" else create)(args.venv, args.repo)
     else:
-        print(json.dumps(provenance(args.repo, args.repo.name), indent=2))
+        print(json.dumps(provenance(args.repo, args.repo.name, PROFILES[args.profile]), indent=2))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from avatar_cli.modules.norms import FP32LayerNorm  # noqa: F401 -- shared with sr/swiftvr; imported from here
+
 # q, k, v (B, H, N, Dh) -> (B, H, N, Dh). Sequence parallelism swaps in its own (e.g. a Ulysses all-to-all around SDPA).
 AttentionOp = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -65,15 +67,6 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()  # (..., D)
         return (xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)).type_as(x) * self.weight
-
-
-class FP32LayerNorm(nn.LayerNorm):
-    """LayerNorm computed in fp32 (affine parameters upcast too), returned in the input's dtype (WanLayerNorm)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = None if self.weight is None else self.weight.float()
-        b = None if self.bias is None else self.bias.float()
-        return F.layer_norm(x.float(), self.normalized_shape, w, b, self.eps).type_as(x)
 
 
 def sinusoidal_embedding(t: torch.Tensor, dim: int) -> torch.Tensor:
