@@ -249,15 +249,19 @@ def models(ctx: typer.Context, json: JsonOpt = None, debug: DebugOpt = False) ->
 @models_app.command("init")
 def models_init(directory: Annotated[Path, typer.Argument(help="A new (or empty) folder.")],
                 size: Annotated[Optional[str], typer.Option(
-                    "--size", help="A named size: mini (default) or tiny; wan-s2v: tiny (default).")] = None,
+                    "--size", help="A named size: mini (default) or tiny; wan-s2v, swiftvr: tiny (default).")] = None,
                 seed: Annotated[int, typer.Option("--seed", help="Seed of the random init.")] = 0,
-                family: Annotated[str, typer.Option("--family", help="mini, or wan-s2v (the official Wan2.2-S2V "
-                                                    "layout, random weights).")] = "mini",
+                family: Annotated[str, typer.Option("--family", help="mini, wan-s2v (the official Wan2.2-S2V "
+                                                    "layout, random weights), or swiftvr (a super-resolution "
+                                                    "model for sr.model, in the SwiftVR release's layout).")] = "mini",
                 json: JsonOpt = None, debug: DebugOpt = False) -> None:
     """Write a randomly initialised model directory in the family's real format."""
     def action(reporter):
         from avatar_cli.families.registry import get, init_family_dir, param_count
 
+        if family == SR_FAMILY:
+            _print_info(reporter, _sr_init(directory, size or "tiny", seed))
+            return
         chosen = size or get(family).sizes[0]  # the family's default size
         src = init_family_dir(directory, chosen, seed, family)
         _print_info(reporter, {"event": "model", "name": str(directory), "family": src.family_name, "size": chosen,
@@ -269,16 +273,18 @@ def models_init(directory: Annotated[Path, typer.Argument(help="A new (or empty)
 
 @models_app.command("check")
 def models_check(directory: Annotated[Path, typer.Argument(help="A model directory: a Wan2.2-S2V release "
-                                                            "(official or Diffusers layout) or a mini one; or a "
-                                                            "single-file Wan2.2-S2V DiT (.safetensors, .gguf).")],
+                                                            "(official or Diffusers layout), a SwiftVR release "
+                                                            "(sr.model) or a mini one; or a single-file "
+                                                            "Wan2.2-S2V DiT (.safetensors, .gguf).")],
                  json: JsonOpt = None, debug: DebugOpt = False) -> None:
     """Check a model directory from its headers alone (no weights are read): per component its tensors,
     parameters, dtypes and bytes, and every missing, unexpected or mis-shaped tensor by name.
     Exit 0 when everything fits, 2 when something does not."""
     def action(reporter):
         from avatar_cli.families.registry import check_directory
+        from avatar_cli.sr.swiftvr import model_dir as sr_dir
 
-        report = check_directory(directory)
+        report = _sr_check(directory) if sr_dir.is_release_dir(directory) else check_directory(directory)
         _print_check(reporter, report)
         if not report["ok"]:
             raise InputError(f"models check: {directory}: " + report["summary"])
@@ -347,6 +353,46 @@ def serve_text(
               weights)
 
     _run(action, False, debug)
+
+
+SR_FAMILY = "swiftvr"  # `models init --family swiftvr`: a super-resolution directory, not a render family
+
+
+def _sr_init(directory: Path, size: str, seed: int) -> dict:
+    """`models init --family swiftvr`: a random tiny SwiftVR directory in the release's layout."""
+    from avatar_cli.sr.swiftvr import model_dir as sr_dir
+
+    if size != "tiny":
+        raise InputError(f"--size: {size}: swiftvr is written at the tiny size only (the release's weights are "
+                         "downloaded, not initialised)")
+    params = sum(c["params"] for c in _sr_components(sr_dir.init_tiny(directory, seed)).values())
+    return {"event": "model", "name": str(directory), "family": SR_FAMILY, "size": size, "params": params,
+            "trained": False, "location": str(directory.resolve())}
+
+
+def _sr_components(rel) -> dict[str, dict]:
+    """Each file of a checked SwiftVR directory (sr/swiftvr/model_dir.py ReleaseDir), from its headers: tensors,
+    parameters, bytes, dtypes."""
+    infos = {"reae": (rel.reae_index.source, rel.reae_index.tensors.values()),
+             "prompt": (str(rel.prompt.file), [rel.prompt]),
+             "transformer": (rel.dit_index.source, rel.dit_index.tensors.values())}
+    return {name: {"file": f, "tensors": len(ts), "params": sum(i.numel for i in ts),
+                   "bytes": sum(i.nbytes for i in ts),
+                   "dtypes": sorted({str(i.dtype).removeprefix("torch.") for i in ts})}
+            for name, (f, ts) in infos.items()}
+
+
+def _sr_check(directory: Path) -> dict:
+    """`models check` of a SwiftVR directory: the model's own check from the headers (a missing, unexpected or
+    mis-shaped tensor, a pickle, another model's transformer: InputError naming it), then each file's counts."""
+    from avatar_cli.sr.swiftvr import model_dir as sr_dir
+
+    comps = _sr_components(sr_dir.read_release(directory))
+    lines = [f"{directory}: SwiftVR (sr.model), the release's layout"]
+    lines += [f"  {n:12} {c['tensors']:5} tensors {c['params']:>15,} params {c['bytes'] / 1e9:8.3f} GB "
+              f"{','.join(c['dtypes'])}  ok" for n, c in comps.items()]
+    return {"path": str(directory), "family": SR_FAMILY, "layout": "swiftvr", "ok": True, "components": comps,
+            "lines": lines, "summary": "ok"}
 
 
 def _print_check(reporter, report: dict) -> None:

@@ -10,6 +10,9 @@ kind of input:
 - where the decode runs: job.resolve_decode (stages/decode_worker.py choose);
 - the text encoder: the job's runtime.text_service and runtime.text_cache, as prompts/cache.py reads them.
 - the working set each rank keeps free, and where the rings wait: runtime/job_budget.py, which the render calls too.
+- super-resolution (`sr.model`): on the rank that decodes, beside the decode (in the render process, or in the decode
+  worker), its models placed with that rank's others; counted on meta by avatar_cli/sr_budget.py (`sr.model:
+  swiftvr` names the release's size without weights).
 The sizes, activation peaks and FLOPs come from the family's budget (runtime/budget.py), every model built on the
 meta device at full size (families/wan_s2v/budget.py): no weights, no GPU; a job's `dit:` file is counted in the
 format it is stored in, from its header. What a GPU would do with them (its peak FLOP/s, the link to the host) is
@@ -33,7 +36,7 @@ from avatar_cli.families.base import Step
 from avatar_cli.families.registry import resolve_model, with_dit, with_mode
 from avatar_cli.job import Split, resolve_decode, resolve_parallel
 from avatar_cli.pipeline.steps import rank_skips
-from avatar_cli.runtime.budget import GB, HOST_RESERVE, Budget, ModelBytes, rings_place
+from avatar_cli.runtime.budget import GB, HOST_RESERVE, Budget, ModelBytes, SRBudget, rings_place
 from avatar_cli.runtime.device import Runtime, auto_dtype
 from avatar_cli.runtime.job_budget import job_budget, job_working_set
 from avatar_cli.runtime.offload import host_tier_choice
@@ -168,6 +171,7 @@ class Plan:
     host_capacity: int | None
     fits: bool
     speed: dict  # clip mode: seconds per clip; streaming: fps; with how each term was worked out
+    sr: dict | None = None  # the job's super-resolution: where it runs, its output size and bytes; None: no sr.model
     notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
@@ -201,6 +205,32 @@ def _frame_size(job: Job, family) -> tuple[int, int]:
         return family.frame_size(wh, requested)
     except ValueError as e:
         raise InputError(f"{job.path}: {e}") from None
+
+
+def _sr_budget(job: Job, size: tuple[int, int], dtype: torch.dtype) -> SRBudget | None:
+    """The job's `sr.model` counted at the family's frame size (None: no super-resolution): a SwiftVR directory
+    from its config (its headers checked, as a render checks them), or `swiftvr`, the release's size."""
+    sr = job.spec.sr
+    if sr.model is None:
+        return None
+    from avatar_cli.sr_budget import SIZE_NAME, is_size_name, sr_budget  # meta counting: paid only with sr.model
+
+    directory = None if is_size_name(sr.model, job.sr_model) else job.sr_model
+    if directory is not None and not directory.is_dir():
+        raise InputError(f"sr.model: {directory}: not a directory (a SwiftVR model directory, or '{SIZE_NAME}' for "
+                         "the release's size without weights)")
+    try:
+        return sr_budget(directory, size, sr.scale, dtype, job.spec.runtime.weights.value)
+    except ValueError as e:  # a scale or a size the model cannot do
+        raise InputError(f"sr: {e}") from None
+
+
+def _sr_where(split: str, decode: str, gpus: int) -> str:
+    if split == "steps":
+        return "the decode rank"
+    if decode == "worker":
+        return "the decode worker (rank 0's GPU)"
+    return "the GPU" if gpus == 1 else "rank 0"
 
 
 def _text_choice(job: Job) -> tuple[str, str]:
@@ -295,8 +325,24 @@ def _forward_s(b: Budget, m: Machine, util: float, ranks: int, r: RankPlan, size
     return max(compute, t), how
 
 
+def _sr_s(sr: SRBudget, m: Machine, util: float, offload: str) -> tuple[float, str]:
+    """One super-resolution chunk on one GPU: its compute, or its transformer's copies from the host where its
+    rank offloads (block: its blocks; model: the whole transformer), which overlap it."""
+    compute = sr.flops / (util * m.card.bf16_tflops * 1e12)
+    how = (f"a {sr.chunk_frames}-frame chunk: compute {compute:.3f} s ({sr.flops / 1e12:.1f} TFLOP at {util:.0%} of "
+           f"{m.card.bf16_tflops:g} TFLOP/s)")
+    dit = sr.models["sr_dit"]
+    moved = dit.blocks_total if offload == "block" else dit.total if offload == "model" else 0
+    if not moved:
+        return compute, how
+    t = moved / (m.card.host_gbs * GB)
+    return max(compute, t), how + (f"; its transformer from the host: {moved / GB:.1f} GB at "
+                                   f"{m.card.host_gbs:g} GB/s = {t:.3f} s")
+
+
 def _speed(b: Budget, m: Machine, util: float, p_split: str, decode: str, ranks: list[RankPlan],
-           sizes: dict[str, ModelBytes], tier: str, rings_at: str = "device") -> dict:
+           sizes: dict[str, ModelBytes], tier: str, rings_at: str = "device", sr: SRBudget | None = None,
+           sr_offload: str = "none") -> dict:
     dit_rank = next(r for r in ranks if "dit" in r.models)
     world = m.gpus if p_split == "sequence" else 1
     fwd, how = _forward_s(b, m, util, world, dit_rank, sizes, tier, m.host_bytes)
@@ -307,6 +353,12 @@ def _speed(b: Budget, m: Machine, util: float, p_split: str, decode: str, ranks:
         how += f"; rings from {'host memory' if rings_at == 'host' else 'disk'} {t:.3f} s"
     # The VAE in float32 runs its convolutions as TF32, half the bf16 rate on these cards; whole on one GPU.
     dec = b.decode_flops / (util * m.card.bf16_tflops / (2 if b.models["vae"].dtype == "float32" else 1) * 1e12)
+    extra = {}
+    if sr is not None:  # it runs after the decode, where the decode runs: the decode's time grows by it
+        chunk_s, sr_how = _sr_s(sr, m, util, sr_offload)
+        sr_t = chunk_s * b.chunk_frames / sr.chunk_frames
+        dec += sr_t
+        extra = {"sr_s": round(sr_t, 4), "sr": f"{sr_how}; {sr_t:.3f} s for {b.chunk_frames} frames"}
     video_s = b.chunk_frames / b.fps
     if b.mode == "streaming":
         block = b.forwards * fwd
@@ -318,12 +370,12 @@ def _speed(b: Budget, m: Machine, util: float, p_split: str, decode: str, ranks:
             per, why = block + dec, "forwards, then the decode, one after the other"
         fps = b.chunk_frames / per
         return {"fps": round(fps, 2), "realtime": fps >= b.fps, "forward_s": round(fwd, 4), "decode_s": round(dec, 4),
-                "forward": how, "why": f"{b.chunk_frames} frames per block, {b.forwards} forwards; {why}"}
+                "forward": how, "why": f"{b.chunk_frames} frames per block, {b.forwards} forwards; {why}", **extra}
     clip = b.forwards * fwd + dec
     return {"clip_s": round(clip, 1), "video_s_per_clip": video_s, "seconds_per_video_second": round(clip / video_s, 2),
             "forward_s": round(fwd, 4), "decode_s": round(dec, 3), "forward": how,
             "why": f"{b.forwards} DiT forwards per {b.chunk_frames}-frame clip, then its decode and motion re-encode "
-                   "(the next clip waits on them)"}
+                   "(the next clip waits on them)" + (", and its super-resolution" if sr is not None else ""), **extra}
 
 
 def make_plan(job: Job, m: Machine, util: float = 0.4) -> Plan:
@@ -345,36 +397,46 @@ def make_plan(job: Job, m: Machine, util: float = 0.4) -> Plan:
     sp = job.spec.sampling
     weights = rt.weights.value
     b = job_budget(job, source, size, dtype)
+    sr = _sr_budget(job, size, dtype)
     text, text_why = _text_choice(job)
     text_names = set(family.needs[Step.prompt])
     loaded = {n: b.models[n] for n in family.components if text == "load" or n not in text_names}
     decode, decode_why = resolve_decode(job, family, runtime, split)
+    # The super-resolution's models join the models of the rank that decodes, in the render process (a decode
+    # worker holds them in its own: counted in its working set)
+    sr_models = dict(sr.models) if sr is not None and decode == "inline" else {}
     free = m.usable
     ranks, layouts = [], []
     rings_at, rings_host, rings_why = "device", False, ""
     if split == Split.steps:
         for role, rank, count in (("a step rank", 1, m.gpus - 1), ("the decode rank", 0, 1)):
             keep = {n: s for n, s in loaded.items() if n not in rank_skips(family, rank)}
+            if rank == 0:
+                keep |= sr_models
             r, lay = _rank(role, count, keep, job, family, 1, free,
-                           *job_working_set(b, family, split, m.gpus, rank, decode))
+                           *job_working_set(b, family, split, m.gpus, rank, decode, sr=sr))
             ranks.append(r)
             layouts.append(lay)
     else:  # rank 0 is the fullest (a decode worker shares its GPU): every rank is planned as it
-        ws = job_working_set(b, family, split, m.gpus, 0, decode)
+        here = loaded | sr_models
+        ws = job_working_set(b, family, split, m.gpus, 0, decode, sr=sr)
         # Where the rings wait, decided before the layout as a render decides it (render/setup.py).
-        rings_at, rings_why = rings_place(rt.rings.value, m.gpus, sum(s.total for s in loaded.values()) + sum(ws),
+        rings_at, rings_why = rings_place(rt.rings.value, m.gpus, sum(s.total for s in here.values()) + sum(ws),
                                           free, b.state, m.host_bytes) if b.state else ("device", "")
         rings_host = rings_at != "device"
-        r, lay = _rank("every rank" if m.gpus > 1 else "the GPU", m.gpus, loaded, job, family, m.gpus, free,
-                       *job_working_set(b, family, split, m.gpus, 0, decode, rings_host))
+        r, lay = _rank("every rank" if m.gpus > 1 else "the GPU", m.gpus, here, job, family, m.gpus, free,
+                       *job_working_set(b, family, split, m.gpus, 0, decode, rings_host, sr))
         ranks.append(r)
         layouts.append(lay)
-    tier, tier_why = _host_tier(job, m, ranks, loaded, source, layouts, b.state if rings_at == "host" else 0)
+    tier, tier_why = _host_tier(job, m, ranks, loaded | sr_models, source, layouts,
+                                b.state if rings_at == "host" else 0)
     if rings_at != "device":
         ranks[0].host_bytes += b.state if rings_at == "host" else b.sink  # pinned; or the sink beside the file
     gpu = max(r.gpu_bytes for r in ranks)
     host = sum(r.host_bytes * r.count for r in ranks) + int(HOST_RESERVE)
-    speed = _speed(b, m, util, split.value, decode, ranks, loaded, tier, rings_at)
+    # the decode rank is planned last; a decode worker holds the super-resolution resident
+    sr_offload = layouts[-1 if split == Split.steps else 0].offload if sr_models else "none"
+    speed = _speed(b, m, util, split.value, decode, ranks, loaded, tier, rings_at, sr, sr_offload)
     notes = list(b.notes)
     if rings_host:
         where = "pinned host memory" if rings_at == "host" else "a memory-mapped scratch file (the page cache)"
@@ -396,8 +458,19 @@ def make_plan(job: Job, m: Machine, util: float = 0.4) -> Plan:
                 decode=decode, decode_why=decode_why, vae_dtype=b.models["vae"].dtype, text=text, text_why=text_why,
                 weights=_weights_label(job, weights, b, dtype), weights_why=_weights_why(job, weights, b, dtype_why),
                 host_tier=tier, host_tier_why=tier_why, ranks=ranks,
-                model_bytes={n: s.total for n, s in b.models.items()}, gpu_bytes=gpu, gpu_capacity=m.gpu_bytes, host_bytes=host,
-                host_capacity=m.host_bytes, fits=fits, speed=speed, notes=notes)
+                model_bytes={n: s.total for n, s in (b.models | (sr.models if sr else {})).items()}, gpu_bytes=gpu,
+                gpu_capacity=m.gpu_bytes, host_bytes=host,
+                host_capacity=m.host_bytes, fits=fits, speed=speed, notes=notes,
+                sr=_sr_line(job, sr, _sr_where(split.value, decode, m.gpus), sr_offload) if sr is not None else None)
+
+
+def _sr_line(job: Job, sr: SRBudget, where: str, offload: str) -> dict:
+    """What the plan says of the super-resolution: where it runs and what it adds there (its weights, the state it
+    carries, its largest chunk's activations), counted on meta."""
+    return {"model": str(job.spec.sr.model), "scale": sr.scale, "size": list(sr.out_size), "where": where,
+            "offload": offload,
+            "weights_bytes": sum(x.total for x in sr.models.values()), "state_bytes": sr.state,
+            "work_bytes": sr.peak, "flops": sr.flops, "chunk_frames": sr.chunk_frames}
 
 
 def _smaller(job: Job, m: Machine, util: float) -> str:
@@ -454,6 +527,11 @@ def format_plan(p: Plan) -> str:
         lines.append(f"  host tier {p.host_tier:9} {p.host_tier_why}")
     lines.append(f"  decode    {p.decode:9} {p.decode_why}; the VAE in {p.vae_dtype} (runtime.vae_dtype)")
     lines.append(f"  text      {p.text:9} {p.text_why}")
+    if p.sr is not None:
+        s, (w2, h2) = p.sr, p.sr["size"]
+        lines.append(f"  sr        x{s['scale']:<8} {s['model']} to {w2}x{h2}, on {s['where']}: weights "
+                     f"{s['weights_bytes'] / GB:.1f} GB, state {s['state_bytes'] / GB:.1f}, activations "
+                     f"{s['work_bytes'] / GB:.1f} ({s['chunk_frames']}-frame chunk, {s['flops'] / 1e12:.1f} TFLOP)")
     cap = f" of {p.host_capacity / GB:.1f}" if p.host_capacity else ""
     lines.append(f"  host      {p.host_bytes / GB:.1f} GB{cap} (offloaded weights, and {HOST_RESERVE / GB:.0f} GB for "
                  "the process)")
@@ -466,6 +544,8 @@ def format_plan(p: Plan) -> str:
                      f"({s['seconds_per_video_second']:.1f} s per second of video) at {p.utilisation:.0%} of the "
                      f"card's bf16 peak: {s['why']}")
     lines.append(f"            a forward: {s['forward']}")
+    if "sr" in s:
+        lines.append(f"            super-resolution: {s['sr']}")
     lines.extend(f"  note: {n}" for n in p.notes)
     lines.append("  fits" if p.fits else "  DOES NOT FIT")
     return "\n".join(lines)

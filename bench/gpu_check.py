@@ -30,6 +30,12 @@ Sections (--sections, comma-separated; the default runs the first four):
                     CUDA events) and its error against the bf16 forward (relative L2 and max |diff| of the
                     velocity). Needs about 45 GB of GPU memory;
   live              bench/live_gpu.py: the wan-s2v streaming mode's block forward at 704x384, its fps and TTFF;
+  sr                SwiftVR super-resolution (sr.model) at full size with random weights (its 5.0 B-parameter
+                    transformer and ReAE built on the meta device, then given storage on the GPU: 10 GB in bf16),
+                    704x384 -> 1408x768 and 832x448 -> 1664x896, its transformer's block Linears in bf16 and int8
+                    (runtime.weights): the first chunk's time (28 frames in), the stream's fps over the 4 middle
+                    chunks that follow (24 frames each, CUDA events), peak memory above the weights against what
+                    `avatar plan` counts on meta (avatar_cli/sr_budget.py), and every input frame out;
   live_session      a live session of the sample job on this device (bench/live_latency.py): a WAV on stdin at the
                     speaker's pace, `-o -`: first frame out, latency median and 95th percentile, stalls.
 Each section is guarded: a failure prints its error and the rest still run (exit 1 if any failed). --budget-s
@@ -68,6 +74,7 @@ from avatar_cli.families.wan_s2v.dit import WanDiTParams, WanS2VDiT  # noqa: E40
 from avatar_cli.families.wan_s2v.vae import WanVAE, WanVAEParams  # noqa: E402
 from avatar_cli.families.wan_s2v.family import QUANTIZED  # noqa: E402
 from avatar_cli.runtime.quantize import quantize_linears, quantized_bytes  # noqa: E402
+from avatar_cli import sr_budget  # noqa: E402
 import wan_budget as wb  # noqa: E402  (bench/: the Wan shapes and meta counting shared with the budget)
 import live_gpu  # noqa: E402  (bench/: the streaming mode's section)
 import live_latency  # noqa: E402  (bench/: the live session's section)
@@ -546,6 +553,78 @@ def weights() -> None:
         for f in ("bf16", "int8", "fp8")))
 
 
+SR_SIZES = ((704, 384), (832, 448))  # (width, height) in: the streaming mode's size and the clip mode's, x2 out
+SR_SIZES_SMOKE = ((64, 32), (96, 48))
+
+
+def sr_models(directory: Path | None, dtype: torch.dtype, seed: int):
+    """SwiftVR with random weights on DEV: built on the meta device at the release's size (directory None) or at a
+    directory's (--smoke: the tiny one `avatar models init --family swiftvr` writes), as `avatar plan` counts it,
+    then given storage on DEV, every parameter drawn from one seeded generator."""
+    from avatar_cli.sr.swiftvr import stream
+
+    m = sr_budget.on_meta(sr_budget.sizes(directory), dtype)
+    return stream.SRModels(reae=wb.random_init(m.reae, DEV, seed), dit=wb.random_init(m.dit, DEV, seed + 1),
+                           prompt=torch.randn(m.prompt.shape, generator=torch.Generator().manual_seed(seed + 2)
+                                              ).to(DEV, dtype))
+
+
+@torch.no_grad()
+def sr() -> None:
+    """SwiftVR at full size: per runtime.weights format and input size, the first chunk, the middle chunks' fps,
+    peak memory against the plan's count, and every frame out."""
+    from avatar_cli.sr.swiftvr import model_dir
+
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = None
+        if SMOKE:
+            directory = Path(tmp) / "sr"
+            model_dir.init_tiny(directory, seed=0)
+        for fmt in ("bf16", "int8"):
+            sr_format(directory, fmt)
+
+
+def sr_format(directory: Path | None, fmt: str) -> None:
+    from avatar_cli.sr.swiftvr import stream
+
+    dtype = torch.bfloat16 if DEV.type == "cuda" else torch.float32  # bf16 on the CPU is emulated and slow
+    first_n, group = sr_budget.FIRST_FRAMES, sr_budget.GROUP_FRAMES
+    frames = first_n + size(4, 1) * group + 5  # the first chunk, the middle chunks timed, a last chunk of 5
+    models = sr_models(directory, dtype, seed=0)
+    quantize_linears(models.dit, fmt, sr_budget.QUANTIZED)  # on this device, as a render's load does
+    weights_gb = gb_allocated()
+    for w, h in SR_SIZES_SMOKE if SMOKE else SR_SIZES:
+        lq = torch.rand(frames, 3, h, w, generator=torch.Generator().manual_seed(3)).to(DEV, dtype)  # (T, 3, h, w)
+        s = stream.SRStream(models, (h, w), 2, DEV, dtype)
+        reset_peak()
+        base = gb_allocated()
+        e0 = mark()
+        first = s.push(lq[:first_n + 1])  # one frame more: the first chunk is not the last
+        e1 = mark()
+        middle = s.push(lq[first_n + 1:frames - 4])  # each middle chunk once the frame after it shows it is one
+        e2 = mark()
+        rest = torch.cat([s.push(lq[frames - 4:]), s.finish()])
+        peak = peak_mb() * 2**20 / 1e9 - base
+        out_h, out_w = s.out_hw
+        middle_ms = ms_between(e1, e2)
+        counted = sr_budget.sr_budget(directory, (w, h), 2, dtype, fmt)
+        measure(f"sr {fmt} {w}x{h}->{out_w}x{out_h}", first_chunk_ms=round(ms_between(e0, e1), 1),
+                first_frames_out=int(first.shape[0]), middle_frames_out=int(middle.shape[0]),
+                fps=round(middle.shape[0] / (middle_ms / 1e3), 2), middle_ms=round(middle_ms, 1),
+                frames_in=frames, frames_out=int(first.shape[0] + middle.shape[0] + rest.shape[0]),
+                out_shape=list(first.shape[1:]), weights_gb=round(weights_gb, 2),
+                counted_weights_gb=round(sum(m.total for m in counted.models.values()) / 1e9, 2),
+                peak_above_weights_gb=round(peak, 2), predicted_above_weights_gb=round(counted.peak / 1e9, 2),
+                output_finite=bool(torch.isfinite(first).all() and torch.isfinite(middle).all()))
+        del s, first, middle, rest, lq
+    del models
+    if DEV.type == "cuda":
+        torch.cuda.empty_cache()
+    report(f"sr {fmt} summary", ", ".join(f"{k.removeprefix('sr ').removesuffix(': fps')} {v} fps"
+                                          for k, v in RESULTS.items() if k.startswith(f"sr {fmt} ")
+                                          and k.endswith(": fps")))
+
+
 def markdown(command: str) -> str:
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     cell = lambda x: str(x).replace("|", "\\|")  # noqa: E731  ("max |diff|" must not split a row)
@@ -556,7 +635,7 @@ def markdown(command: str) -> str:
 
 
 DEFAULT_SECTIONS = ("handoff", "offload_overhead", "encode_fps", "renders")
-ALL_SECTIONS = (*DEFAULT_SECTIONS, "wan", "weights", "decode", "live", "live_session")
+ALL_SECTIONS = (*DEFAULT_SECTIONS, "wan", "weights", "decode", "live", "live_session", "sr")
 
 
 def main() -> int:
@@ -583,7 +662,7 @@ def main() -> int:
     report("torch", torch.__version__)
     sections = {"handoff": handoff, "offload_overhead": offload_overhead, "encode_fps": encode_fps,
                 "renders": lambda: renders(args.long_s, deadline), "wan": wan, "weights": weights, "decode": decode,
-                "live": lambda: live_gpu.live(sys.modules[__name__]), "live_session": live_session}
+                "live": lambda: live_gpu.live(sys.modules[__name__]), "live_session": live_session, "sr": sr}
     for name in chosen:
         section = sections[name]
         if time.monotonic() > deadline:

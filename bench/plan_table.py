@@ -1,5 +1,6 @@
 """The README's "What runs where" table: `avatar plan` for Wan2.2-S2V-14B (named by size, no weights) on four
-machines, in the clip mode at 832x448 and the streaming mode at 704x384, with the job's defaults otherwise.
+machines, in the clip mode at 832x448 and the streaming mode at 704x384, with the job's defaults otherwise; its last
+column the same job with SwiftVR x2 super-resolution (`sr.model: swiftvr`, the release's size) on the same machine.
 
     python bench/plan_table.py [KEY=VALUE ...]     # e.g. runtime.weights=int8 runtime.vae_dtype=bfloat16
 
@@ -23,8 +24,9 @@ MODES = [("clip", ["video.width=832", "video.height=448"]),
 
 def table(extra: list[str]) -> list[str]:
     """The table's lines (docs/plan.md carries them; tests/test_plan.py checks it still does)."""
-    lines = ["| machine | mode | split | DiT | offload | decode | per GPU | host | speed (40 % of bf16 peak) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| machine | mode | split | DiT | offload | decode | per GPU | host | speed (40 % of bf16 peak) | "
+             "with SwiftVR x2: per GPU, host, speed |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     with tempfile.TemporaryDirectory() as d:
         job = Path(d) / "job.yaml"
         job.write_text("reference: ref.png\naudio: speech.wav\noutput: out.mp4\n")
@@ -34,13 +36,23 @@ def table(extra: list[str]) -> list[str]:
                 r = next(r for r in p.ranks if "dit" in r.models)
                 dit = "sharded" if "dit" in r.sharded else "replicated" if p.ranks[0].count > 1 else "whole"
                 offload = r.offload + (f" ({p.host_tier})" if p.host_tier and r.offload == "block" else "")
-                speed = (f"{p.speed['fps']:.1f} fps" if "fps" in p.speed
-                         else f"{p.speed['clip_s']:.0f} s per {p.speed['video_s_per_clip']:g} s clip")
-                gpu_fits = "" if p.gpu_bytes <= p.gpu_capacity else " **does not fit**"
-                host_fits = "" if p.host_capacity is None or p.host_bytes <= p.host_capacity else " **does not fit**"
+                sr = make_plan(load_job(job, ["model=wan-s2v-14b", *keys, "sr.model=swiftvr", *extra]),
+                               machine(gpus, host))
                 lines.append(f"| {gpus}, {host} host | {mode} | {p.parallel} | {dit} | {offload} | {p.decode} | "
-                             f"{p.gpu_bytes / GB:.1f} GB{gpu_fits} | {p.host_bytes / GB:.0f} GB{host_fits} | {speed} |")
+                             f"{_memory(p, ' | ')} | {_speed(p)} | {_memory(sr, ', ')} host, {_speed(sr)} |")
     return lines
+
+
+def _memory(p, sep: str) -> str:
+    """The fullest GPU, then the host, each marked where it does not fit."""
+    gpu_fits = "" if p.gpu_bytes <= p.gpu_capacity else " **does not fit**"
+    host_fits = "" if p.host_capacity is None or p.host_bytes <= p.host_capacity else " **does not fit**"
+    return f"{p.gpu_bytes / GB:.1f} GB{gpu_fits}{sep}{p.host_bytes / GB:.0f} GB{host_fits}"
+
+
+def _speed(p) -> str:
+    return (f"{p.speed['fps']:.1f} fps" if "fps" in p.speed
+            else f"{p.speed['clip_s']:.0f} s per {p.speed['video_s_per_clip']:g} s clip")
 
 
 def main() -> None:

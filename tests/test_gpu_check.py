@@ -50,15 +50,20 @@ def test_wan_section_runs_on_the_cpu_at_tiny_size_and_reports_every_figure():
     assert summary["wan dit forward: tokens"] == fwd["tokens"] and "DiT forward" in summary["wan summary"]
 
 
-def test_weights_section_runs_on_the_cpu_at_tiny_size(monkeypatch, capsys):
-    """bench/gpu_check.py's weights section (in this process, as --smoke runs it): each format's forward, its memory
-    and its error against bf16."""
+def smoke_section(section, monkeypatch, capsys) -> tuple[dict[str, dict], str]:
+    """Run one section in this process as --smoke runs it: its measurements by name, and its output."""
     monkeypatch.setattr(gpu_check, "DEV", torch.device("cpu"))
     monkeypatch.setattr(gpu_check, "SMOKE", True)
     monkeypatch.setattr(gpu_check, "RESULTS", {})
-    gpu_check.weights()
+    section()
     out = capsys.readouterr().out
-    found = {m["measure"]: m for m in (json.loads(x) for x in out.splitlines() if x.startswith('{"measure"'))}
+    return {m["measure"]: m for m in (json.loads(x) for x in out.splitlines() if x.startswith('{"measure"'))}, out
+
+
+def test_weights_section_runs_on_the_cpu_at_tiny_size(monkeypatch, capsys):
+    """bench/gpu_check.py's weights section (in this process, as --smoke runs it): each format's forward, its memory
+    and its error against bf16."""
+    found, out = smoke_section(gpu_check.weights, monkeypatch, capsys)
     assert set(found) == {"wan weights bf16", "wan weights int8", "wan weights fp8"}
     bf16, int8, fp8 = (found[f"wan weights {f}"] for f in ("bf16", "int8", "fp8"))
     assert bf16["rel_l2_vs_bf16"] == 0 and bf16["speed_vs_bf16"] == 1.0
@@ -121,3 +126,18 @@ def test_full_size_budget_figures_the_readme_quotes():
     assert fl["total"] == pytest.approx(1.715e15, rel=1e-3)
     assert fl["total"] == pytest.approx(wb.formula_flops(p, n, noisy, wb.CLIP_480P.frames), rel=1e-3)
     assert 0.5 < fl["attention"] / fl["total"] < 0.53
+
+
+def test_sr_section_runs_on_the_cpu_at_tiny_size(monkeypatch, capsys):
+    """bench/gpu_check.py's sr section as --smoke runs it (in this process): the tiny SwiftVR `models init` writes,
+    built on meta and given random weights as at full size, streamed at two sizes in bf16 and int8: the first
+    chunk's 25 frames, a middle chunk's 24, every input frame out at twice the size, the plan's count beside."""
+    found, out = smoke_section(gpu_check.sr, monkeypatch, capsys)
+    assert set(found) == {f"sr {f} {w}x{h}->{2 * w}x{2 * h}" for f in ("bf16", "int8")
+                          for w, h in gpu_check.SR_SIZES_SMOKE}
+    for name, m in found.items():
+        w, h = (int(x) for x in name.split()[2].split("->")[1].split("x"))
+        assert (m["first_frames_out"], m["middle_frames_out"]) == (25, 24) and m["out_shape"] == [3, h, w]
+        assert m["frames_out"] == m["frames_in"] and m["output_finite"] is True
+        assert m["fps"] > 0 and m["first_chunk_ms"] > 0 and m["predicted_above_weights_gb"] >= 0
+    assert "sr bf16 summary: bf16 64x32->128x64" in out and "sr int8 summary" in out

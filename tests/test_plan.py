@@ -13,7 +13,7 @@ import pytest
 from avatar_cli.cli import _app
 from avatar_cli.errors import InputError
 from avatar_cli.job import resolve
-from avatar_cli.plan import GB, GIB, machine, make_plan
+from avatar_cli.plan import GB, GIB, format_plan, machine, make_plan
 from avatar_cli.runtime.job_budget import job_budget
 from avatar_cli.spec import load_job
 from tests.conftest import write_reference, write_wav
@@ -285,3 +285,96 @@ def test_a_dit_file_is_checked_against_the_size_named_without_weights(job: Path,
     write_dit_gguf(f, wan._read_safetensors(tiny_wan / "diffusion_pytorch_model.safetensors.index.json"), T.Q8_0)
     with pytest.raises(InputError, match=f"dit: {f}: the file does not fit the wan-s2v DiT"):
         plan(job, "1x24GB", None, f"dit={f}")
+
+
+SR = ["sr.model=swiftvr"]  # SwiftVR at the release's size, named without weights
+
+
+@pytest.fixture(scope="module")
+def sr_pair(job: Path):
+    """The clip mode on 8 x 80 GB, without and with SwiftVR x2 (the layout the same: nothing offloaded)."""
+    return plan(job, "8x80GB", "1024GB"), plan(job, "8x80GB", "1024GB", *SR)
+
+
+def test_super_resolution_adds_its_models_meta_count_on_the_rank_that_decodes(sr_pair):
+    """SwiftVR's transformer and ReAE built on meta at the release's size (4,999,787,712 and 40,946,364 parameters,
+    counted from the official code's shapes), in the runtime dtype, with its prompt embedding: exactly what the
+    plan adds to the decoding rank's weights; its state and its first chunk's activations join that rank's."""
+    import torch
+
+    from avatar_cli.runtime.meta_count import n_bytes
+    from avatar_cli.sr.swiftvr.dit import SwiftVRDiT, SwiftVRParams
+    from avatar_cli.sr.swiftvr.reae import ReAE, ReAEParams
+    from avatar_cli.sr_budget import PROMPT_SHAPE
+
+    base, sr = sr_pair
+    with torch.device("meta"):
+        dit = SwiftVRDiT(SwiftVRParams.release())
+        reae = ReAE(ReAEParams.release())
+    params = n_bytes(dit.to(torch.bfloat16)) // 2, n_bytes(reae.to(torch.bfloat16)) // 2
+    assert params == (4_999_787_712, 40_946_364)
+    counted = 2 * (sum(params) + PROMPT_SHAPE[0] * PROMPT_SHAPE[1])  # bf16
+    assert sr.sr["weights_bytes"] == counted == sr.model_bytes["sr_dit"] + sr.model_bytes["sr_reae"]
+    b, s = base.ranks[0], sr.ranks[0]
+    assert (base.decode, b.offload, s.offload) == ("inline", "none", "none")
+    assert s.weights_bytes - b.weights_bytes == counted
+    assert s.state_bytes - b.state_bytes == sr.sr["state_bytes"] > 0
+    assert s.work_bytes == max(b.work_bytes, sr.sr["work_bytes"])
+    assert sr.sr["where"] == "rank 0" and sr.sr["size"] == [2 * 832, 2 * 448] and fits(sr)
+    # the decode's time grows by the super-resolution's, the forwards' not at all
+    assert sr.speed["forward_s"] == base.speed["forward_s"] and sr.speed["sr_s"] > 0
+    assert sr.speed["clip_s"] == pytest.approx(base.speed["clip_s"] + sr.speed["sr_s"], abs=0.1)
+    assert "sr_s" not in base.speed and base.sr is None
+
+
+def test_super_resolution_scale_and_weights():
+    """x4 makes its activations larger (the output has 4 times the pixels), not its weights; int8 makes its
+    transformer's Linears smaller. (The release's size, at a small frame: the rule, not the 480p figure.)"""
+    import torch
+
+    from avatar_cli.sr_budget import sr_budget
+
+    x2, x4 = (sr_budget(None, (128, 64), scale, torch.bfloat16) for scale in (2, 4))
+    assert (x2.out_size, x4.out_size) == ((256, 128), (512, 256)) and x4.models == x2.models
+    assert x4.peak > x2.peak and x4.flops > 2 * x2.flops and x4.state > x2.state
+    int8 = sr_budget(None, (128, 64), 2, torch.bfloat16, "int8")
+    assert int8.models["sr_dit"].total < 0.6 * x2.models["sr_dit"].total
+    assert int8.models["sr_reae"] == x2.models["sr_reae"] and int8.peak == x2.peak
+
+
+def test_super_resolution_sits_on_the_decode_rank_of_the_timestep_pipeline(job: Path):
+    """5 x 24 GB streaming: the step ranks hold what they held; the decode rank adds SwiftVR beside the VAE."""
+    base = plan(job, "5x24GB", "128GB", mode=STREAMING)
+    sr = plan(job, "5x24GB", "128GB", *SR, mode=STREAMING)
+    (bstep, bdec), (sstep, sdec) = base.ranks, sr.ranks
+    assert sr.parallel == "steps" and sr.sr["where"] == "the decode rank"
+    assert sstep.models == bstep.models and sstep.gpu_bytes == bstep.gpu_bytes
+    assert sdec.models == sorted([*bdec.models, "sr_dit", "sr_reae"]) and sdec.gpu_bytes > bdec.gpu_bytes
+    assert sdec.state_bytes == bdec.state_bytes + sr.sr["state_bytes"]
+    assert sr.speed["fps"] <= base.speed["fps"]
+    assert fits(sr) and "sr        x2" in format_plan(sr)
+
+
+def test_a_super_resolution_directory_is_counted_from_its_own_files(job: Path, tiny_wan: Path, tmp_path: Path):
+    """A SwiftVR directory (the tiny one `models init --family swiftvr` writes) is counted from its config and
+    headers: its tensors at 2 bytes a value; a broken one, or a path that is no directory, is exit 2 naming it."""
+    from safetensors.torch import load_file, save_file
+
+    from avatar_cli.sr.swiftvr.model_dir import init_tiny
+
+    init_tiny(tmp_path / "sr", seed=0)
+    size = [f"model={tiny_wan}", "video.width=64", "video.height=64"]
+    p = make_plan(load_job(job, [*size, f"sr.model={tmp_path / 'sr'}"]), machine("1x24GB"))
+    files = [tmp_path / "sr" / "reae.safetensors", tmp_path / "sr" / "prompt_embedding.safetensors",
+             tmp_path / "sr" / "transformer" / "diffusion_pytorch_model.safetensors"]
+    assert p.sr["weights_bytes"] == sum(2 * t.numel() for f in files for t in load_file(str(f)).values())
+    assert p.sr["size"] == [128, 128] and p.sr["model"] == str(tmp_path / "sr") and p.fits
+
+    reae = load_file(str(files[0]))
+    name = sorted(reae)[0]
+    reae[name] = reae[name].flatten()[1:]  # mis-shaped
+    save_file(reae, str(files[0]))
+    with pytest.raises(InputError, match=name.replace(".", r"\.")):
+        make_plan(load_job(job, [*size, f"sr.model={tmp_path / 'sr'}"]), machine("1x24GB"))
+    with pytest.raises(InputError, match="sr.model: .*nowhere: not a directory"):
+        make_plan(load_job(job, [*size, f"sr.model={tmp_path / 'nowhere'}"]), machine("1x24GB"))

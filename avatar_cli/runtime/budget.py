@@ -9,8 +9,13 @@ on meta (runtime/meta_count.py); FLOPs are torch's FlopCounterMode over the same
 Nothing here is measured on a device.
 """
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
+
+import torch
+
+from avatar_cli.runtime.device import dtype_name
+from avatar_cli.runtime.quantize import tensor_bytes
 
 GB = 1e9
 HOST_RESERVE = 4 * GB  # the process itself, its libraries, the audio and the encoder: not counted in a budget
@@ -32,6 +37,26 @@ class ModelBytes:
     def root(self) -> int:
         """The parameters outside the blocks (embedders, heads): resident while the model runs under block offload."""
         return self.total - self.blocks_total
+
+
+def blocked_bytes(model: torch.nn.Module, blocks: Iterable[torch.nn.Module], dtype: torch.dtype, weights: str = "bf16",
+                  paths: tuple[str, ...] | None = None) -> ModelBytes:
+    """A model's bytes and its blocks', under `runtime.weights` (the Linears under `paths` quantized as torchao lays
+    them out, counted on meta by runtime/quantize.py; None: the model is kept in `dtype`)."""
+    per_name = tensor_bytes(model, weights if paths is not None else "bf16", paths or (), dtype)
+    label = weights if paths is not None and weights != "bf16" else dtype_name(dtype)
+    return grouped_bytes(model, blocks, per_name, label)
+
+
+def grouped_bytes(model: torch.nn.Module, blocks: Iterable[torch.nn.Module], per_name: dict[str, int], label: str,
+                  **kw) -> ModelBytes:
+    """ModelBytes of a model from its tensors' bytes (state-dict name -> bytes), its blocks apart (none: whole)."""
+    where = {id(m): name for name, m in model.named_modules()}
+    sizes = []
+    for b in blocks:
+        prefix = where[id(b)] + "."
+        sizes.append(sum(n for name, n in per_name.items() if name.startswith(prefix)))
+    return ModelBytes(sum(per_name.values()), label, len(sizes), max(sizes, default=0), sum(sizes), **kw)
 
 
 @dataclass(frozen=True)
@@ -67,8 +92,29 @@ class Budget:
     notes: tuple[str, ...] = field(default=())
 
 
+@dataclass(frozen=True)
+class SRBudget:
+    """Frame-space super-resolution (`sr.model`) at one input size: it runs where the decode runs, on the decoded
+    frames, chunk by chunk with a state of its own.
+
+    models: its components' parameters at the dtype each runs in; peak: the most bytes one chunk's upscale, encode,
+    transformer pass and decode allocate at once, at the output size (the largest chunk: the first); state: what it
+    carries between chunks (its autoencoder's last frames, the previous chunk's latents, the input frames it holds
+    back); flops: that chunk's; chunk_frames: the input frames of that chunk."""
+
+    name: str
+    scale: int
+    size: tuple[int, int]  # (width, height) in: the family's frames
+    out_size: tuple[int, int]  # (width, height) out
+    models: Mapping[str, ModelBytes]
+    peak: int
+    state: int
+    flops: float
+    chunk_frames: int
+
+
 def working_set(b: Budget, split: str, world: int, rank: int, decode: str, decode_models: Collection[str],
-                rings_host: bool = False) -> tuple[int, int, int]:
+                rings_host: bool = False, sr: SRBudget | None = None) -> tuple[int, int, int]:
     """(state, activations, decode worker) bytes one rank's GPU holds beside its weights: what the layout choice
     keeps free (`working_bytes`), for `avatar plan` and for a render alike. split: `runtime.parallel` resolved
     (single | sequence | steps); decode: inline | worker; decode_models: the components the family's decode needs.
@@ -78,15 +124,24 @@ def working_set(b: Budget, split: str, world: int, rank: int, decode: str, decod
     ranks, a forward's activations divided by tokens, and the decode's cache and peak where the decode runs in the
     render process (inline); a decode worker (rank 0's GPU, its own process) holds the decode's models, cache and
     peak beside. rings_host: the rings and sink wait off the device (runtime.rings: host or disk), one layer's at
-    a time here."""
+    a time here.
+
+    sr: the job's frame super-resolution, run with the decode: its state and its chunk's peak beside the decode's
+    where the decode runs (the decode rank; rank 0 inline; a decode worker, which also holds its models). Its
+    models, where they run in the render process, are placed with the rank's others (not counted here)."""
+    sr_state, sr_peak = (sr.state, sr.peak) if sr is not None else (0, 0)
     if split == "steps":
-        return (b.step_state, b.a2v_peak, 0) if rank else (b.decode_state, b.decode_peak, 0)
-    inline = decode == "inline"
-    state = (0 if rings_host else b.state // world) + (b.decode_state if inline else 0)
-    work = max(b.a2v_peak // world + (b.ring_layer if rings_host else 0), b.decode_peak if inline else 0)
+        return (b.step_state, b.a2v_peak, 0) if rank else (b.decode_state + sr_state, max(b.decode_peak, sr_peak), 0)
+    inline, here = decode == "inline", decode == "inline" and rank == 0  # here: the super-resolution runs on it
+    state = (0 if rings_host else b.state // world) + (b.decode_state if inline else 0) + (sr_state if here else 0)
+    work = max(b.a2v_peak // world + (b.ring_layer if rings_host else 0), b.decode_peak if inline else 0,
+               sr_peak if here else 0)
     worker = 0
     if decode == "worker" and rank == 0:
-        worker = sum(b.models[n].total for n in decode_models) + b.decode_state + b.decode_peak
+        # the worker decodes, then super-resolves: both models and states held, one of the two peaks at a time
+        worker = sum(b.models[n].total for n in decode_models) + b.decode_state + max(b.decode_peak, sr_peak)
+        if sr is not None:
+            worker += sum(m.total for m in sr.models.values()) + sr_state
     return state, work, worker
 
 

@@ -10,7 +10,7 @@ imports nothing above it: `runtime.*` settings are read by their values, `runtim
 
 import torch
 
-from avatar_cli.runtime.budget import Budget, rings_place, working_set
+from avatar_cli.runtime.budget import Budget, SRBudget, rings_place, working_set
 from avatar_cli.runtime.device import Runtime
 
 
@@ -26,19 +26,22 @@ def job_budget(job, source, size: tuple[int, int], dtype: torch.dtype) -> Budget
 
 
 def job_working_set(b: Budget, family, split: str, world: int, rank: int, decode: str,
-                    rings_host: bool = False) -> tuple[int, int, int]:
-    """budget.working_set for one rank of a job of `family` (its decode's models from `family.needs`)."""
-    return working_set(b, split, world, rank, decode, family.needs["decode"], rings_host)
+                    rings_host: bool = False, sr: SRBudget | None = None) -> tuple[int, int, int]:
+    """budget.working_set for one rank of a job of `family` (its decode's models from `family.needs`); sr: the job's
+    frame super-resolution (`sr.model`), counted where the decode runs."""
+    return working_set(b, split, world, rank, decode, family.needs["decode"], rings_host, sr)
 
 
-def render_working_bytes(p, runtime: Runtime, rank: int, rings_host: bool = False) -> int | None:
+def render_working_bytes(p, runtime: Runtime, rank: int, rings_host: bool = False,
+                         sr: SRBudget | None = None) -> int | None:
     """The working set a render of the resolved job `p` keeps free on this rank's GPU, counted on meta as `avatar
-    plan` counts it; None where the family has no budget (the placement then keeps its default reserve)."""
+    plan` counts it (sr: its super-resolution's budget, as the plan counts it: avatar_cli/sr_budget.py); None where
+    the family has no budget (the placement then keeps its default reserve)."""
     source = p.model
     if source.spec.budget is None:
         return None
     b = job_budget(p.job, source, p.gen_size, runtime.dtype)
-    return sum(job_working_set(b, source.family, p.parallel, p.world_size, rank, p.decode.value, rings_host))
+    return sum(job_working_set(b, source.family, p.parallel, p.world_size, rank, p.decode.value, rings_host, sr))
 
 
 def render_rings(p, runtime: Runtime, free: int | None, host_free: int | None, skip=()) -> tuple[str, str] | None:

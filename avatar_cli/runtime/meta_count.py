@@ -56,7 +56,9 @@ class FusedAttention(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is F.scaled_dot_product_attention:
-            q, v = args[0], args[2]
+            kw = kwargs or {}
+            q = args[0] if args else kw["query"]  # (B, H, N, D), passed by position or by name
+            v = args[2] if len(args) > 2 else kw["value"]
             torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)  # logsumexp, freed at once
             return q.new_empty((*q.shape[:-1], v.shape[-1]))  # (B, H, N, Dv)
         return func(*args, **(kwargs or {}))

@@ -27,32 +27,13 @@ from avatar_cli.families.wan_s2v.dit import WanDiTParams, WanS2VDiT
 from avatar_cli.families.wan_s2v.family import CLIP_FRAMES, NATIVE_FPS, PUT_LATENTS, QUANTIZED
 from avatar_cli.families.wan_s2v.text import UMT5Params
 from avatar_cli.families.wan_s2v.vae import WanVAE, WanVAEParams
-from avatar_cli.runtime.budget import Budget, ModelBytes
+from avatar_cli.runtime.budget import Budget, ModelBytes, blocked_bytes, grouped_bytes
 from avatar_cli.runtime.device import dtype_name
 from avatar_cli.runtime.flops import flop_counter
 from avatar_cli.runtime.meta_count import n_bytes, on_meta, peak_bytes
 from avatar_cli.runtime.quantize import linears_under, tensor_bytes
 
 TEXT_TOKENS = 128  # a prompt's trimmed tokens (the DiT pads to text_len: the count moves nothing but the embedder)
-
-
-def _blocked(model: torch.nn.Module, blocks, dtype: torch.dtype, weights: str = "bf16",
-             paths: tuple[str, ...] | None = None) -> ModelBytes:
-    """A model's bytes and its blocks', under `runtime.weights` (the Linears under `paths` quantized as torchao lays
-    them out, counted on meta by runtime/quantize.py; None: the family keeps it in `dtype`)."""
-    per_name = tensor_bytes(model, weights if paths is not None else "bf16", paths or (), dtype)
-    label = weights if paths is not None and weights != "bf16" else dtype_name(dtype)
-    return _grouped(model, blocks, per_name, label)
-
-
-def _grouped(model: torch.nn.Module, blocks, per_name: dict[str, int], label: str, **kw) -> ModelBytes:
-    """ModelBytes of a model from its tensors' bytes (state-dict name -> bytes), its blocks apart."""
-    where = {id(m): name for name, m in model.named_modules()}
-    sizes = []
-    for b in blocks:
-        prefix = where[id(b)] + "."
-        sizes.append(sum(n for name, n in per_name.items() if name.startswith(prefix)))
-    return ModelBytes(sum(per_name.values()), label, len(sizes), max(sizes), sum(sizes), **kw)
 
 
 def dit_file_bytes(path, p: WanDiTParams, dtype: torch.dtype, weights: str = "bf16") -> ModelBytes:
@@ -67,9 +48,9 @@ def dit_file_bytes(path, p: WanDiTParams, dtype: torch.dtype, weights: str = "bf
     per_name = tensor_bytes(dit, weights, paths, dtype)
     per_name.update(kept)
     if not kept:
-        return _grouped(dit, dit.blocks, per_name, weights if weights != "bf16" else dtype_name(dtype),
+        return grouped_bytes(dit, dit.blocks, per_name, weights if weights != "bf16" else dtype_name(dtype),
                         file_total=f.nbytes)
-    return _grouped(dit, dit.blocks, per_name, dit_file.quantized_already(f) or f.format, file_total=f.nbytes,
+    return grouped_bytes(dit, dit.blocks, per_name, dit_file.quantized_already(f) or f.format, file_total=f.nbytes,
                     stored_quantized=True)
 
 
@@ -81,7 +62,7 @@ def _dit(p: WanDiTParams, dtype: torch.dtype) -> WanS2VDiT:
 @functools.lru_cache(maxsize=4)
 def _dit_bytes(p: WanDiTParams, dtype: torch.dtype, weights: str, paths: tuple[str, ...] | None) -> ModelBytes:
     dit = _dit(p, dtype)
-    return _blocked(dit, dit.blocks, dtype, weights, paths)
+    return blocked_bytes(dit, dit.blocks, dtype, weights, paths)
 
 
 @functools.lru_cache(maxsize=4)
@@ -89,7 +70,7 @@ def _t5_bytes(p: UMT5Params, dtype: torch.dtype, weights: str = "bf16",
               paths: tuple[str, ...] | None = None) -> ModelBytes:
     with torch.device("meta"):
         t5 = UMT5Text(p).to(dtype)
-    return _blocked(t5, t5.model.encoder.block, dtype, weights, paths)
+    return blocked_bytes(t5, t5.model.encoder.block, dtype, weights, paths)
 
 
 @functools.lru_cache(maxsize=2)
