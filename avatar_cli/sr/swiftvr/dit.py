@@ -159,7 +159,9 @@ def rope_tables(p: SwiftVRParams, grid: tuple[int, int, int], t_off: int, dtype:
     """cos, sin (N, head_dim / 2) for a (T, H, W) token grid in sequence order (t, y, x), time positions starting
     at t_off, h and w at 0."""
     T, H, W = grid
-    parts = [axis_rotations(torch.arange(n, device=device) + off, d, p.rope_max_seq_len, dtype)
+    # Built on the CPU, as the official table is, then moved: small, and no device sync for the extension's test
+    # (nor a meta device's refusal of it when the planner counts the model there).
+    parts = [tuple(t.to(device) for t in axis_rotations(torch.arange(n) + off, d, p.rope_max_seq_len, dtype))
              for n, off, d in zip(grid, (t_off, 0, 0), p.rope_dims)]
     cos = torch.cat([parts[0][0][:, None, None].expand(T, H, W, -1), parts[1][0][None, :, None].expand(T, H, W, -1),
                      parts[2][0][None, None].expand(T, H, W, -1)], dim=-1).reshape(T * H * W, -1)  # (N, Dh/2)
