@@ -11,7 +11,7 @@ kind of input:
 - the text encoder: the job's runtime.text_service and runtime.text_cache, as prompts/cache.py reads them.
 - the working set each rank keeps free, and where the rings wait: runtime/job_budget.py, which the render calls too.
 - super-resolution (`sr.model`): on the rank that decodes, beside the decode (in the render process, or in the decode
-  worker), its models placed with that rank's others; counted on meta by avatar_cli/sr_budget.py (`sr.model:
+  worker), its models placed with that rank's others; counted on meta by avatar_cli/sr/swiftvr/budget.py (`sr.model:
   swiftvr` names the release's size without weights).
 The sizes, activation peaks and FLOPs come from the family's budget (runtime/budget.py), every model built on the
 meta device at full size (families/wan_s2v/budget.py): no weights, no GPU; a job's `dit:` file is counted in the
@@ -213,7 +213,7 @@ def _sr_budget(job: Job, size: tuple[int, int], dtype: torch.dtype) -> SRBudget 
     sr = job.spec.sr
     if sr.model is None:
         return None
-    from avatar_cli.sr_budget import SIZE_NAME, is_size_name, sr_budget  # meta counting: paid only with sr.model
+    from avatar_cli.sr.swiftvr.budget import SIZE_NAME, is_size_name, sr_budget  # meta counting: paid only with sr.model
 
     directory = None if is_size_name(sr.model, job.sr_model) else job.sr_model
     if directory is not None and not directory.is_dir():

@@ -35,7 +35,7 @@ Sections (--sections, comma-separated; the default runs the first four):
                     704x384 -> 1408x768 and 832x448 -> 1664x896, its transformer's block Linears in bf16 and int8
                     (runtime.weights): the first chunk's time (28 frames in), the stream's fps over the 4 middle
                     chunks that follow (24 frames each, CUDA events), peak memory above the weights against what
-                    `avatar plan` counts on meta (avatar_cli/sr_budget.py), and every input frame out;
+                    `avatar plan` counts on meta (avatar_cli/sr/swiftvr/budget.py), and every input frame out;
   live_session      a live session of the sample job on this device (bench/live_latency.py): a WAV on stdin at the
                     speaker's pace, `-o -`: first frame out, latency median and 95th percentile, stalls.
 Each section is guarded: a failure prints its error and the rest still run (exit 1 if any failed). --budget-s
@@ -74,7 +74,7 @@ from avatar_cli.families.wan_s2v.dit import WanDiTParams, WanS2VDiT  # noqa: E40
 from avatar_cli.families.wan_s2v.vae import WanVAE, WanVAEParams  # noqa: E402
 from avatar_cli.families.wan_s2v.family import QUANTIZED  # noqa: E402
 from avatar_cli.runtime.quantize import quantize_linears, quantized_bytes  # noqa: E402
-from avatar_cli import sr_budget  # noqa: E402
+from avatar_cli.sr.swiftvr import budget as sr_budget  # noqa: E402
 import wan_budget as wb  # noqa: E402  (bench/: the Wan shapes and meta counting shared with the budget)
 import live_gpu  # noqa: E402  (bench/: the streaming mode's section)
 import live_latency  # noqa: E402  (bench/: the live session's section)

@@ -305,7 +305,7 @@ def test_super_resolution_adds_its_models_meta_count_on_the_rank_that_decodes(sr
     from avatar_cli.runtime.meta_count import n_bytes
     from avatar_cli.sr.swiftvr.dit import SwiftVRDiT, SwiftVRParams
     from avatar_cli.sr.swiftvr.reae import ReAE, ReAEParams
-    from avatar_cli.sr_budget import PROMPT_SHAPE
+    from avatar_cli.sr.swiftvr.budget import PROMPT_SHAPE
 
     base, sr = sr_pair
     with torch.device("meta"):
@@ -332,7 +332,7 @@ def test_super_resolution_scale_and_weights():
     transformer's Linears smaller. (The release's size, at a small frame: the rule, not the 480p figure.)"""
     import torch
 
-    from avatar_cli.sr_budget import sr_budget
+    from avatar_cli.sr.swiftvr.budget import sr_budget
 
     x2, x4 = (sr_budget(None, (128, 64), scale, torch.bfloat16) for scale in (2, 4))
     assert (x2.out_size, x4.out_size) == ((256, 128), (512, 256)) and x4.models == x2.models

@@ -267,3 +267,29 @@ def test_the_frames_sr_held_at_a_resume_point_after_the_last_chunk_still_come_ou
     [stretch] = out.finish(state)
     assert (stretch.start, stretch.end, stretch.resumable) == (0, 20, False) and state.published == 20
     assert sum(len(f) for f in Sink.got) == 20 and Sink.got[0].shape[1:] == (32, 32, 3)
+
+
+def test_a_render_placed_from_memory_keeps_sr_s_working_set_free(wan_job: Path, sr_dir: Path):
+    """Where placement chooses from free memory (the CPU stands in for a GPU here), the working set kept free
+    holds SR's carried state and its chunk's peak (beside the other peaks, which do not coexist with it) as `avatar
+    plan` counts them (sr/swiftvr/budget.py) on the rank that runs it."""
+    from avatar_cli.job import resolve
+    from avatar_cli.render import setup as render_setup
+    from avatar_cli.runtime.device import Runtime
+    from avatar_cli.runtime.distributed import Dist
+    from avatar_cli.runtime.rings import RingStore
+    from avatar_cli.sr.swiftvr.budget import sr_budget
+    from avatar_cli.spec import load_job
+    import torch
+
+    class StandIn:  # a ModelCache whose placement chooses from memory
+        transfer = object()
+
+    runtime = Runtime(torch.device("cpu"), torch.float32)
+    counted = {}
+    for sr in (None, sr_dir):
+        p = resolve(load_job(wan_job / "job.yaml", [f"sr.model={sr}"] if sr else []), force=True)
+        counted[sr] = render_setup.working_bytes(p, runtime, Dist(), StandIn(), RingStore())
+    budget = sr_budget(sr_dir, p.sr.lq, 2, torch.float32)
+    # At this size SR's chunk outgrows the DiT's and the decode's peaks: more than its state is added.
+    assert counted[None] is not None and counted[sr_dir] - counted[None] > budget.state > 0

@@ -235,7 +235,12 @@ def working_bytes(p: ResolvedJob, runtime: Runtime, dist: Dist, models: ModelCac
     rt = p.job.spec.runtime
     if not (runtime.is_cuda or models.transfer is not None) or "auto" not in (rt.offload.value, rt.shard.value):
         return None
-    working = render_working_bytes(p, runtime, dist.rank, not rings.on_device)
+    sr = None
+    if p.sr is not None:  # counted as the plan counts it: only here, where placement chooses from memory
+        from avatar_cli.sr.swiftvr.budget import sr_budget
+
+        sr = sr_budget(p.sr.model, p.sr.lq, p.sr.scale, runtime.dtype, rt.weights.value)
+    working = render_working_bytes(p, runtime, dist.rank, not rings.on_device, sr)
     if working is not None:
         log.info("placement: %.1f GB kept free for state and activations (counted on the meta device)",
                  working / 1e9)

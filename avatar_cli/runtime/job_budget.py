@@ -35,7 +35,7 @@ def job_working_set(b: Budget, family, split: str, world: int, rank: int, decode
 def render_working_bytes(p, runtime: Runtime, rank: int, rings_host: bool = False,
                          sr: SRBudget | None = None) -> int | None:
     """The working set a render of the resolved job `p` keeps free on this rank's GPU, counted on meta as `avatar
-    plan` counts it (sr: its super-resolution's budget, as the plan counts it: avatar_cli/sr_budget.py); None where
+    plan` counts it (sr: its super-resolution's budget, as the plan counts it: avatar_cli/sr/swiftvr/budget.py); None where
     the family has no budget (the placement then keeps its default reserve)."""
     source = p.model
     if source.spec.budget is None:
