@@ -116,6 +116,15 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def swiftvr_official_dir(tmp_path_factory) -> Path:
+    """The SwiftVR goldens' tiny release (tests/golden/swiftvr): transformer and prompt as the official code wrote
+    them, the ReAE from the goldens' seeded rule."""
+    from tests.golden.swiftvr_weights import write_release
+
+    return write_release(tmp_path_factory.mktemp("swiftvr_official") / "release")
+
+
+@pytest.fixture(scope="session")
 def swiftvr_dir(tmp_path_factory) -> Path:
     """A tiny SwiftVR release of random weights in the official layout (`sr.model`)."""
     from avatar_cli.sr.swiftvr.model_dir import init_tiny

@@ -163,10 +163,11 @@ def wan_job(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("mode", ["clip", "streaming"])
-def test_wan_s2v_with_sr_through_the_cli(wan_job: Path, sr_dir: Path, mode: str):
-    """Both wan-s2v modes: the MP4 at the generated size times the scale, every frame of the family's there."""
+def test_wan_s2v_with_sr_through_the_cli(wan_job: Path, swiftvr_official_dir: Path, mode: str):
+    """Both wan-s2v modes, with the goldens' release (its transformer written by the official code): the MP4 at
+    the generated size times the scale, every frame of the family's there."""
     out = wan_job / f"{mode}.mp4"
-    result = render(wan_job, f"mode={mode}", f"sr.model={sr_dir}", "-o", str(out))
+    result = render(wan_job, f"mode={mode}", f"sr.model={swiftvr_official_dir}", "-o", str(out))
     assert result.returncode == 0, result.stderr
     assert events(result.stdout)[-1]["frames"] == 40
     assert frames_of(out).shape == (40, 128, 160, 3)  # 80 x 64, x2

@@ -11,10 +11,7 @@ the official ones, rounded where the official code rounds). The tolerances leave
 where another CPU's kernels (another ISA, another thread count) sum in another order.
 """
 
-import hashlib
 import json
-import math
-import shutil
 from pathlib import Path
 
 import pytest
@@ -27,6 +24,7 @@ from avatar_cli.sr.swiftvr.dit import SwiftVRDiT, axis_rotations, axis_starts
 from avatar_cli.sr.swiftvr.model_dir import read_release
 from avatar_cli.sr.swiftvr.reae import ReAE, ReAEParams
 from avatar_cli.sr.swiftvr.stream import SRStream, load_sr
+from tests.golden.swiftvr_weights import seeded_weights, tensor_sha256
 
 GOLDEN = Path(__file__).parent / "golden" / "swiftvr"
 CASES = ("a", "b", "c1", "e")  # c2 is the README's stream() API, a different chunking not offered here
@@ -42,48 +40,14 @@ def _official(name: str) -> dict:
     return json.loads((GOLDEN / "official.json").read_text())[name]
 
 
-def seeded_weights(shapes: dict[str, list[int]], rule: dict) -> dict[str, torch.Tensor]:
-    """The golden's weight rule (make_swiftvr_goldens.py `seeded_weights`): one generator, keys sorted, randn in
-    float32, >= 2-d scaled by gain / sqrt(prod(shape[1:])) (scale_shift_table by 1 / sqrt(shape[-1])), 1-d ones
-    0.1 x randn plus 1 for norm gains or the key's offset; then times the key's scale where the rule gives one."""
-    g = torch.Generator().manual_seed(rule["seed"])
-    out = {}
-    for key in sorted(shapes):
-        shape = tuple(shapes[key])
-        x = torch.randn(shape, generator=g, dtype=torch.float32)
-        if key.endswith("scale_shift_table"):
-            x = x / math.sqrt(shape[-1])
-        elif len(shape) >= 2:
-            x = x * (rule["gain"] / math.sqrt(math.prod(shape[1:])))
-        else:
-            x = (1.0 if key.endswith(tuple(rule["norm_suffixes"])) else rule["offsets"].get(key, 0.0)) + 0.1 * x
-        out[key] = x * rule.get("scales", {}).get(key, 1.0)
-    return out
-
-
-def sha256(tensors: dict[str, torch.Tensor]) -> str:
-    h = hashlib.sha256()
-    for key in sorted(tensors):
-        h.update(key.encode())
-        h.update(tensors[key].to(torch.float32).contiguous().numpy().tobytes())
-    return h.hexdigest()
-
-
 @pytest.fixture(scope="module")
 def keys() -> dict:
     return json.loads((GOLDEN / "release" / "keys.json").read_text())
 
 
 @pytest.fixture(scope="module")
-def release(tmp_path_factory, keys) -> Path:
-    d = tmp_path_factory.mktemp("swiftvr_golden") / "release"
-    shutil.copytree(GOLDEN / "release", d)
-    (d / "keys.json").unlink()
-    rule = _official("reae_rule")
-    state = seeded_weights(keys["reae.safetensors"], rule)
-    assert sha256(state) == rule["sha256"]
-    save_safetensors(state, d / "reae.safetensors")
-    return d
+def release(swiftvr_official_dir) -> Path:
+    return swiftvr_official_dir
 
 
 @pytest.fixture(scope="module")
@@ -111,8 +75,8 @@ def test_release_keys_are_ours_key_for_key(release, keys):
 
 def test_the_weights_load_as_written(models, keys):
     rule = _official("transformer_rule")
-    want = seeded_weights(keys["transformer/diffusion_pytorch_model.safetensors"], rule)
-    assert sha256(want) == rule["sha256"]
+    want = seeded_weights(keys["transformer/diffusion_pytorch_model.safetensors"], rule["seed"])
+    assert tensor_sha256(want) == rule["sha256"]
     got = {adapter.ours_to_release(k): v for k, v in models.dit.state_dict().items()}
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
 

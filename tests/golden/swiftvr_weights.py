@@ -8,9 +8,15 @@ shapes taken from tests/golden/swiftvr/release/keys.json, and checks `tensor_sha
 """
 
 import hashlib
+import json
 import math
+import shutil
+from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
+
+GOLDEN = Path(__file__).parent / "swiftvr"
 
 GAIN = 1.0
 # Offsets on 1-d tensors: the ReAE's last bias on 0.5, so the decoder's output sits inside its clamp to [0, 1] rather
@@ -50,3 +56,17 @@ def tensor_sha256(tensors: dict[str, torch.Tensor]) -> str:
         h.update(key.encode())
         h.update(tensors[key].detach().to(torch.float32).contiguous().numpy().tobytes())
     return h.hexdigest()
+
+
+def write_release(dest: Path) -> Path:
+    """The golden's tiny release directory at `dest`, in the published layout: the transformer (config.json and
+    weights) and the prompt embedding as the official code wrote them, and reae.safetensors drawn from the rule,
+    checked against the sha256 the golden recorded."""
+    shutil.copytree(GOLDEN / "release", dest, ignore=shutil.ignore_patterns("keys.json"))
+    shapes = json.loads((GOLDEN / "release" / "keys.json").read_text())["reae.safetensors"]
+    rule = json.loads((GOLDEN / "official.json").read_text())["reae_rule"]
+    state = seeded_weights(shapes, rule["seed"])
+    if tensor_sha256(state) != rule["sha256"]:
+        raise AssertionError("the ReAE rule no longer draws the golden's weights")
+    save_file(state, str(dest / "reae.safetensors"))
+    return dest
