@@ -19,6 +19,10 @@ from avatar_cli.spec import load_job
 from tests.conftest import write_reference, write_wav
 
 CLIP = ["model=wan-s2v-14b", "video.width=832", "video.height=448"]  # the official 480p (16:9)
+# One test process counts every full-size budget of this file (each is counted once per process and cached): the
+# Makefile's `--dist loadgroup` keeps the group on one pytest-xdist worker instead of counting them twice.
+pytestmark = pytest.mark.xdist_group("full-size budgets")
+
 STREAMING = ["model=wan-s2v-14b", "mode=streaming", "video.width=704", "video.height=384"]  # LiveAvatar's size
 
 
