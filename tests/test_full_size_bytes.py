@@ -72,3 +72,27 @@ def test_a_bfloat16_vae_decode_at_480p_peaks_at_half_the_float32_one():
     f32, _, cache32 = _vae_decode(vp, 60, 104, 2, torch.float32)
     bf16, _, cache16 = _vae_decode(vp, 60, 104, 2, torch.bfloat16)
     assert bf16 <= 0.52 * f32 and cache16 <= 0.52 * cache32, (bf16, f32, cache16, cache32)
+
+
+def test_one_counting_run_gives_the_peak_and_the_flops_of_two():
+    """peak_and_flops counts the peak (attention fused) and the FLOPs in one run on meta: the same figures as
+    peak_bytes and a FlopCounterMode over the math path, attention given by position or by name, 3-d or 4-d."""
+    from avatar_cli.runtime.flops import flop_counter
+    from avatar_cli.runtime.meta_count import peak_and_flops, peak_bytes
+
+    with torch.device("meta"):
+        proj = nn.Linear(64, 192)
+        x = torch.empty(2, 300, 64)
+
+    def forward():
+        q, k, v = proj(x).view(2, 300, 3, 4, 16).permute(2, 0, 3, 1, 4)  # each (2, 4, 300, 16)
+        a = F.scaled_dot_product_attention(q, k, v)
+        b = F.scaled_dot_product_attention(query=q[0], key=k[0, :, :100], value=v[0, :, :100])  # (4, 300, 16)
+        return a.sum() + b.sum()
+
+    counter = flop_counter()
+    with torch.no_grad(), counter:
+        forward()
+    peak, flops = peak_and_flops(forward)
+    assert (peak, flops) == (peak_bytes(forward), counter.get_total_flops())
+    assert flops > 2 * 2 * 300 * 64 * 192  # the attentions counted beside the projection

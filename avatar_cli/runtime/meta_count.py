@@ -6,7 +6,9 @@ shape logic without computing, so the bytes a forward allocates can be counted o
 - `LiveBytes`: the most bytes held at once by the storages ops allocate while it is active (weights and inputs
   excluded; a view or an in-place result is not an allocation; a storage leaves the count when torch frees it);
 - `FusedAttention`: every F.scaled_dot_product_attention allocates what a fused (flash) kernel does on a GPU, its
-  output and a float32 logsumexp, not the math path's N x M scores (86 GB at Wan's 480p).
+  output and a float32 logsumexp, not the math path's N x M scores (86 GB at Wan's 480p);
+- `peak_and_flops`: the peak and the FLOPs of one forward in one run on meta (a full-size forward on meta is
+  slow Python dispatch: counting both in one pass halves what `avatar plan` waits for).
 
 `avatar plan` and bench/wan_budget.py count with these. The CUDA caching allocator rounds blocks up and
 fragments, so a real peak is somewhat above the count; `bench/gpu_check.py --sections wan` measures it on a GPU.
@@ -52,13 +54,22 @@ class LiveBytes(TorchDispatchMode):
 
 class FusedAttention(TorchFunctionMode):
     """Every F.scaled_dot_product_attention allocates what a fused (flash) kernel does: its output (B, H, N, Dv)
-    and a logsumexp (B, H, N) fp32, instead of the math path's N x M scores."""
+    and a logsumexp (B, H, N) fp32, instead of the math path's N x M scores. `flops`: the attentions' FLOPs, by
+    torch's own formula (sdpa_flop_count: the two matmuls a FlopCounterMode counts on the math path)."""
+
+    def __init__(self):
+        super().__init__()
+        self.flops = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is F.scaled_dot_product_attention:
+            from torch.utils.flop_counter import sdpa_flop_count  # imports triton: only where a count runs
+
             kw = kwargs or {}
             q = args[0] if args else kw["query"]  # (B, H, N, D), passed by position or by name
+            k = args[1] if len(args) > 1 else kw["key"]
             v = args[2] if len(args) > 2 else kw["value"]
+            self.flops += sdpa_flop_count(*((1,) * (4 - t.dim()) + tuple(t.shape) for t in (q, k, v)))
             torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)  # logsumexp, freed at once
             return q.new_empty((*q.shape[:-1], v.shape[-1]))  # (B, H, N, Dv)
         return func(*args, **(kwargs or {}))
@@ -70,6 +81,17 @@ def peak_bytes(fn) -> int:
     with torch.no_grad(), FusedAttention(), tracker:
         fn()
     return tracker.peak
+
+
+def peak_and_flops(fn) -> tuple[int, float]:
+    """(peak_bytes(fn), the FLOPs of fn()) from one run: the matmuls and convolutions a FlopCounterMode counts, and
+    the attentions FusedAttention stands in for by their formula."""
+    from avatar_cli.runtime.flops import flop_counter
+
+    tracker, attention, counter = LiveBytes(), FusedAttention(), flop_counter()
+    with torch.no_grad(), attention, counter, tracker:
+        fn()
+    return tracker.peak, float(counter.get_total_flops() + attention.flops)
 
 
 def on_meta(cls, params, dtype: torch.dtype) -> nn.Module:

@@ -29,8 +29,7 @@ from avatar_cli.families.wan_s2v.text import UMT5Params
 from avatar_cli.families.wan_s2v.vae import WanVAE, WanVAEParams
 from avatar_cli.runtime.budget import Budget, ModelBytes, blocked_bytes, grouped_bytes
 from avatar_cli.runtime.device import dtype_name
-from avatar_cli.runtime.flops import flop_counter
-from avatar_cli.runtime.meta_count import n_bytes, on_meta, peak_bytes
+from avatar_cli.runtime.meta_count import n_bytes, on_meta, peak_and_flops
 from avatar_cli.runtime.quantize import linears_under, tensor_bytes
 
 TEXT_TOKENS = 128  # a prompt's trimmed tokens (the DiT pads to text_len: the count moves nothing but the embedder)
@@ -87,13 +86,6 @@ def _w2v_bytes(dim: int) -> ModelBytes:
     return ModelBytes(n_bytes(model), "float32")
 
 
-def _flops(fn) -> float:
-    counter = flop_counter()
-    with torch.no_grad(), counter:
-        fn()
-    return float(counter.get_total_flops())
-
-
 @functools.lru_cache(maxsize=8)
 def _vae_decode(vp: WanVAEParams, lat_h: int, lat_w: int, latents: int,
                 dtype: torch.dtype = torch.float32) -> tuple[int, float, int]:
@@ -102,7 +94,7 @@ def _vae_decode(vp: WanVAEParams, lat_h: int, lat_w: int, latents: int,
     z = torch.empty(1, vp.z_dim, latents, lat_h, lat_w, device="meta")
     with torch.no_grad():
         _, cache = vae.decode_stream(z)  # a timeline started, to have a cache to continue
-    return peak_bytes(lambda: vae.decode_stream(z, cache)), _flops(lambda: vae.decode_stream(z, cache)), cache.nbytes()
+    return (*peak_and_flops(lambda: vae.decode_stream(z, cache)), cache.nbytes())
 
 
 @functools.lru_cache(maxsize=8)
@@ -111,7 +103,7 @@ def _vae_encode(vp: WanVAEParams, lat_h: int, lat_w: int, frames: int,
     """(peak bytes, FLOPs) of encoding `frames` frames from a fresh encoder cache, in `dtype`."""
     vae = on_meta(WanVAE, vp, dtype)
     x = torch.empty(1, 3, frames, lat_h * 8, lat_w * 8, device="meta")
-    return peak_bytes(lambda: vae.encode(x)), _flops(lambda: vae.encode(x))
+    return peak_and_flops(lambda: vae.encode(x))
 
 
 @functools.lru_cache(maxsize=8)
@@ -126,7 +118,7 @@ def _clip_forward(p: WanDiTParams, dtype: torch.dtype, lat_h: int, lat_w: int) -
                   "motion": torch.empty(p.in_dim, p.lat_motion_frames, lat_h, lat_w),
                   "cond": torch.empty(p.cond_dim, frames, lat_h, lat_w),
                   "audio": torch.empty(1, 25, p.audio_dim, 4 * frames)}
-    return peak_bytes(lambda: dit(**inputs)), _flops(lambda: dit(**inputs))
+    return peak_and_flops(lambda: dit(**inputs))
 
 
 @functools.lru_cache(maxsize=8)
@@ -147,7 +139,7 @@ def _block_forward(p: WanDiTParams, dtype: torch.dtype, lat_h: int, lat_w: int) 
         causal.causal_forward(dit, c, 0, x, t, 8, inputs, 10)
 
     rings = 2 * c.k.numel() * c.k.element_size()
-    return peak_bytes(forward), _flops(forward), rings, 2 * c.sink_k.numel() * c.sink_k.element_size()
+    return *peak_and_flops(forward), rings, 2 * c.sink_k.numel() * c.sink_k.element_size()
 
 
 def budget(config, mode: str, size: tuple[int, int], dtype: torch.dtype, steps: int, guidance: float,

@@ -22,8 +22,7 @@ import torch
 from avatar_cli.modules.module import build_meta
 from avatar_cli.runtime.budget import ModelBytes, SRBudget, blocked_bytes
 from avatar_cli.runtime.device import dtype_name
-from avatar_cli.runtime.flops import flop_counter
-from avatar_cli.runtime.meta_count import peak_bytes
+from avatar_cli.runtime.meta_count import peak_and_flops
 from avatar_cli.sr.swiftvr import model_dir, stream
 from avatar_cli.sr.swiftvr.dit import SwiftVRDiT, SwiftVRParams
 from avatar_cli.sr.swiftvr.reae import ReAE, ReAEParams
@@ -90,11 +89,7 @@ def _chunk(sz: Sizes, dtype: torch.dtype, lq_hw: tuple[int, int], scale: int
 
     frames = torch.empty(FIRST_FRAMES + 1, 3, h, w, dtype=dtype, device="meta")  # one more: the first is not LAST
     s = first()
-    peak = peak_bytes(lambda: s.push(frames))
-    counter, s = flop_counter(), first()
-    with torch.no_grad(), counter:
-        s.push(frames)
-    flops = float(counter.get_total_flops())
+    peak, flops = peak_and_flops(lambda: s.push(frames))
     s = first()  # the first chunk out, then a whole group held back until the frame after it shows it is not LAST
     with torch.no_grad():
         s.push(torch.empty(FIRST_FRAMES + GROUP_FRAMES, 3, h, w, dtype=dtype, device="meta"))
