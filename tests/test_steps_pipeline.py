@@ -1,7 +1,8 @@
 """The timestep pipeline (runtime.parallel: steps, pipeline/steps.py): the choice of the way ranks split the work,
 and a 2-clip tiny wan-s2v streaming render with a 2-step schedule on 3 gloo ranks (a decode rank and one per step)
 whose frames equal one process's; a pipeline render killed mid-way resumes in one process, bit-identically; and one
-batch on 2 ranks of two jobs that differ only in runtime.parallel, each placed as its spec says."""
+batch on 2 ranks of two jobs that differ only in runtime.parallel, each placed as its spec says. The 3-rank job has
+frame super-resolution (sr.model, a tiny SwiftVR), which runs on the decode rank alone."""
 
 import io
 import json
@@ -18,6 +19,7 @@ from tests.conftest import avatar, avatar_process, start_avatar, write_reference
 
 REPO = Path(__file__).resolve().parent.parent
 SECONDS = 5.8  # round(5.8 x 16) = 93 frames = 9 + 7 x 12: 8 blocks, two of their clips, across the block-4 refresh
+SR_SIZE = 128  # the job's 64 x 64 frames, x2 by its frame super-resolution
 
 
 def live() -> LiveAvatarFamily:
@@ -45,10 +47,19 @@ def test_steps_refused_where_it_cannot_run():
 
 def test_each_rank_loads_only_what_its_role_runs(job: Path):
     from avatar_cli.families.registry import resolve_model, with_mode
+    from avatar_cli.job import resolve
+    from avatar_cli.render.setup import runs_sr
+    from avatar_cli.spec import load_job
 
     f = with_mode(resolve_model(str(job.parent / "tiny"), job.parent), "streaming").family
     assert rank_skips(f, 0) == {"text", "audio", "dit"}  # the decode rank: the VAE alone
     assert rank_skips(f, 1) == rank_skips(f, 4) == set()  # a step rank encodes the reference with the VAE too
+    # Frame super-resolution: loaded by the rank that writes the frames alone, the decode rank under the pipeline
+    for world, how, loads in ((3, "steps", [True, False, False]), (2, "sequence", [True, False])):
+        p = resolve(load_job(job, [f"runtime.parallel={how}"], str(job.parent / "out" / "plan.mp4")), force=True,
+                    world_size=world)
+        assert p.parallel.value == how and p.size == (SR_SIZE, SR_SIZE)
+        assert [runs_sr(p, rank) for rank in range(world)] == loads
 
 
 def test_steps_on_a_family_without_it_is_exit_2(job_dir: Path):
@@ -61,7 +72,7 @@ def test_steps_on_a_family_without_it_is_exit_2(job_dir: Path):
 # --- 3 gloo ranks, 2 steps -------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory) -> Path:
+def job(tmp_path_factory, swiftvr_dir: Path) -> Path:
     folder = tmp_path_factory.mktemp("steps")
     init_family_dir(folder / "tiny", "tiny", seed=0, family="wan-s2v")
     write_reference(folder / "ref.png")
@@ -71,7 +82,8 @@ def job(tmp_path_factory) -> Path:
     (folder / "job.yaml").write_text(
         "reference: ref.png\naudio: speech.wav\noutput: out/video.mp4\nmodel: tiny\nmode: streaming\n"
         "prompt: a person talking\nseed: 5\nvideo: {width: 64, height: 64, crf: 0}\nsampling: {steps: 2}\n"
-        "runtime: {dtype: float32, text_cache: 'off', threads: 1}\n")
+        "runtime: {dtype: float32, text_cache: 'off', threads: 1}\n"
+        f"sr: {{model: {swiftvr_dir}, scale: 2}}\n")
     return folder / "job.yaml"
 
 
@@ -101,15 +113,21 @@ def test_three_ranks_two_steps_equal_one_process(job: Path, one_rank: dict):
     done = events(res.stdout)[-1]
     assert one_rank["frames"] == done["frames"] == 93
     assert done["ranks"] == 3
-    assert done["frames_digest"] == one_rank["frames_digest"]
+    assert done["frames_digest"] == one_rank["frames_digest"]  # super-resolved on the decode rank as in one process
+    assert decoded(job.parent / "out" / "tpp.mp4").shape == (93, SR_SIZE, SR_SIZE, 3)
     # auto chose it (3 ranks = 2 steps + 1) and said why, once.
     assert res.stderr.count("parallel: steps (auto: 3 ranks = 2 denoising steps + a decode rank") == 1
 
 
 @pytest.mark.slow
 def test_killed_pipeline_render_resumes_in_one_process(job: Path, one_rank: dict):
-    """The decode rank's checkpoint holds every step's ring (sent by the step ranks after each block): the same
-    state as one process's, so a pipeline render killed mid-way continues in one process with the same frames."""
+    """The decode rank's checkpoint holds every step's ring (sent by the step ranks after each block) and its frame
+    SR's stream: the same state as one process's, so a pipeline render killed mid-way continues in one process with
+    the same frames."""
+    from safetensors.torch import load_file
+
+    from avatar_cli.pipeline.checkpoint import load_checkpoint
+
     out = job.parent / "out" / "killed.mp4"
     proc = start_avatar("render", str(job), "--nproc", "3", "--json", "-o", str(out), "runtime.parallel=steps",
                         cwd=REPO)
@@ -122,6 +140,8 @@ def test_killed_pipeline_render_resumes_in_one_process(job: Path, one_rank: dict
     finally:
         proc.kill()
     assert not out.exists() and out.with_name("killed.partial.mp4").exists()
+    points = load_checkpoint(out.with_name("killed.partial.mp4")).points
+    assert any(len(load_file(str(out.parent / pt.state_file))["sr.pending"]) for pt in points)  # SR held frames
     resumed = render_here(job, out, resume="strict")
     assert resumed["resumed_at"] > 0
     assert resumed["frames_digest"] == one_rank["frames_digest"]
@@ -142,6 +162,7 @@ def one_step_jobs(job: Path) -> tuple[Path, Path]:
     write_wav(job.parent / "two_seconds.wav", 2.0)  # 32 frames: 3 blocks, enough to place and to compare
     text = (job.read_text().replace("sampling: {steps: 2}", "sampling: {steps: 1}")
             .replace("audio: speech.wav", "audio: two_seconds.wav"))
+    text = "".join(line for line in text.splitlines(keepends=True) if not line.startswith("sr:"))  # no frame SR
     paths = []
     for how in ("steps", "sequence"):
         path = job.parent / f"one_step_{how}.yaml"
@@ -197,9 +218,10 @@ def live_here(job: Path, wav: Path, output: Path) -> dict:
 @pytest.mark.slow
 def test_three_ranks_run_a_live_session_one_process_runs(job: Path, tmp_path: Path):
     """A live session under the timestep pipeline: rank 0 reads stdin, plans as the audio arrives and sends each
-    block's audio to the step ranks, which run ahead of it; its frames are one process's, bit for bit. 3.5 s: 5
-    blocks, so block 4 takes the sink frame the last step's rank rolled; 1.5 s: 2 blocks, the plan ends before any
-    block takes it (the frame sent is taken and dropped at the end)."""
+    block's audio to the step ranks, which run ahead of it; its frames, super-resolved on rank 0 after its decode,
+    are one process's, bit for bit. 3.5 s: 5 blocks, so block 4 takes the sink frame the last step's rank rolled;
+    1.5 s: 2 blocks, the plan ends before any block takes it (the frame sent is taken and dropped at the end), and
+    before SR's first chunk (its frames all come out at the end)."""
     import subprocess
     import sys
 
@@ -218,3 +240,4 @@ def test_three_ranks_run_a_live_session_one_process_runs(job: Path, tmp_path: Pa
         assert done["frames"] == one["frames"] == round(seconds * 16)
         assert "parallel: steps (auto: 3 ranks = 2 denoising steps + a decode rank" in err
         assert done["frames_digest"] == one["frames_digest"]
+        assert decoded(tmp_path / f"live_{seconds}_3.mp4").shape == (done["frames"], SR_SIZE, SR_SIZE, 3)

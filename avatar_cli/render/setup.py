@@ -26,7 +26,7 @@ from avatar_cli.spec import Decode
 from avatar_cli.modules.module import Module
 from avatar_cli.pipeline import checkpoint as ckpt
 from avatar_cli.pipeline.run import Pipeline
-from avatar_cli.pipeline.steps import rank_skips
+from avatar_cli.pipeline.steps import DECODE_RANK, rank_skips
 from avatar_cli.runtime.job_budget import render_rings, render_working_bytes
 from avatar_cli.prompts import cache as prompt_cache
 from avatar_cli.prompts.cache import PromptCache
@@ -42,7 +42,7 @@ from avatar_cli.stages.sr import load_models as load_sr_models
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Built", "ModelCache", "Opened", "build", "opened", "setup_runtime"]
+__all__ = ["Built", "ModelCache", "Opened", "build", "opened", "runs_sr", "setup_runtime"]
 
 
 @dataclass
@@ -247,6 +247,17 @@ def working_bytes(p: ResolvedJob, runtime: Runtime, dist: Dist, models: ModelCac
     return working
 
 
+def runs_sr(p: ResolvedJob, rank: int) -> bool:
+    """Whether rank `rank` loads the job's frame super-resolution and runs it in the render process. It runs where
+    the frames are written: on rank 0 alone, after its decode, whether the ranks split every forward (sequence
+    parallel: the others decode nothing, or only for their rolling state) or one denoising step each (the timestep
+    pipeline: rank 0 is its decode rank); a decode worker loads it in its own process instead. No other rank loads
+    it, so a step rank's memory holds its step and nothing of SR's."""
+    if p.sr is None or p.decode == Decode.worker:
+        return False
+    return rank == (DECODE_RANK if p.parallel == Split.steps else 0)
+
+
 def build(p: ResolvedJob, job: Opened, reporter: Reporter, models: ModelCache | None = None) -> Built:
     """Load and place the job's models (those its text cache and its rank's role leave out excepted) and build the
     pipeline over them; then say what the job resolved (its warnings, the dtype auto chose)."""
@@ -267,10 +278,7 @@ def build(p: ResolvedJob, job: Opened, reporter: Reporter, models: ModelCache | 
     modules, placement = models.get(p.model, runtime, Dist() if steps else dist, spec.runtime, reporter,
                                     split=p.parallel, rings=rings, skip=skip,
                                     working_bytes=working_bytes(p, runtime, dist, models, rings))
-    # Frame super-resolution runs where the frames are written: rank 0 (the timestep pipeline's decode rank), or
-    # the decode worker, which loads it itself.
-    here = p.sr is not None and job.main and p.decode != Decode.worker
-    sr = (p.sr, models.get_sr(p.sr, runtime, spec.runtime.weights.value)) if here else None
+    sr = (p.sr, models.get_sr(p.sr, runtime, spec.runtime.weights.value)) if runs_sr(p, dist.rank) else None
     pipeline = Pipeline(modules, family, runtime, placement, prompts=prompts,
                         steps_dist=dist if placement.split == Split.steps else None, absent=absent, sr=sr)
     image = family.fit_reference(p.image, *p.gen_size)  # (3, H, W) in [-1, 1]
