@@ -34,7 +34,7 @@ from avatar_cli.media.whip import is_whip_output, read_bearer_token
 from avatar_cli.pipeline.schedule import choose_transitions, num_frames
 from avatar_cli.pipeline.steps import check_family, choose_parallel
 from avatar_cli.prompts import cache as prompt_cache
-from avatar_cli.runtime.device import Runtime, resolve_runtime
+from avatar_cli.runtime.device import Runtime, job_threads, resolve_runtime
 from avatar_cli.runtime.quantize import check_setting as check_weights_setting
 from avatar_cli.spec import MAX_SIDE, Decode, Job, Parallel, is_stream_input
 from avatar_cli.stages import decode_worker
@@ -196,7 +196,8 @@ def resolve_sr(job: Job, lq: tuple[int, int]) -> SRPlan | None:
 
 def resolve_decode(job: Job, family, runtime: Runtime, parallel: Split) -> tuple[str, str]:
     """`runtime.decode` for this family, device and split of the ranks -> ("inline" | "worker" | "thread", why)."""
-    decode, why = decode_worker.choose(job.spec.runtime.decode.value, family, runtime)
+    decode, why = decode_worker.choose(job.spec.runtime.decode.value, family, runtime,
+                                       job_threads(job.spec.runtime.threads))
     if parallel == Split.steps and decode in ("worker", "thread"):  # rank 0 already decodes while the others denoise
         return "inline", "the timestep pipeline's rank 0 is its decode process"
     if decode == "thread" and runtime.is_cuda:

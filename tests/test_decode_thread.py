@@ -102,7 +102,10 @@ def test_a_decode_that_feeds_back_refuses_the_thread():
     dw.check_setting("thread", mini)
     cpu = Runtime(torch.device("cpu"), torch.float32)
     assert dw.choose("thread", mini, cpu) == ("thread", "asked for")
-    assert dw.choose("auto", mini, cpu)[0] == "inline"  # auto does not pick the thread (not measured to pay yet)
+    # auto: the thread on a CPU of 2 to 4 threads (measured to pay at 2), inline on one thread or many
+    assert [dw.choose("auto", mini, cpu, n)[0] for n in (1, 2, 4, 5, 64)] == ["inline", "thread", "thread",
+                                                                              "inline", "inline"]
+    assert dw.choose("auto", clip, cpu, 2)[0] == "inline"  # a decode that feeds back stays with the DiT
 
 
 def test_core_share_lends_a_thread_while_the_helper_works_and_takes_it_back_at_the_next_block():
@@ -146,3 +149,10 @@ def test_frame_super_resolution_keeps_the_decode_inline(job_dir: Path, swiftvr_d
     p = resolve(load_job(job_dir / "job.yaml", ["runtime.decode=thread", f"sr.model={swiftvr_dir}"]), force=True)
     assert p.decode.value == "inline" and "super-resolution" in p.decode_why
     assert resolve(load_job(job_dir / "job.yaml", ["runtime.decode=thread"]), force=True).decode.value == "thread"
+
+
+def test_auto_resolves_to_the_thread_for_a_file_render_on_two_cpu_threads(job_dir: Path):
+    p = resolve(load_job(job_dir / "job.yaml", ["runtime.threads=2"]), force=True)
+    assert p.decode.value == "thread" and "2 threads" in p.decode_why
+    one = resolve(load_job(job_dir / "job.yaml", ["runtime.threads=1"]), force=True)
+    assert one.decode.value == "inline"

@@ -78,7 +78,12 @@ def set_cpu_threads(threads: int) -> None:
     """torch's CPU threads for a job: `threads`, or with 0 torch's own count as this process started
     (OMP_NUM_THREADS, else one per core), not whatever an earlier job of the same process (a batch, a test session)
     set: the thread count changes float sums' order."""
-    torch.set_num_threads(threads if threads > 0 else _START_THREADS)
+    torch.set_num_threads(job_threads(threads))
+
+
+def job_threads(threads: int) -> int:
+    """The torch thread count a job with `runtime.threads: threads` computes on (0: torch's own at start)."""
+    return threads if threads > 0 else _START_THREADS
 
 
 @contextmanager

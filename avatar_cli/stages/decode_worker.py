@@ -99,16 +99,26 @@ def check_setting(setting: str, family: Family) -> None:
                          "or auto")
 
 
-def choose(setting: str, family: Family, runtime: Runtime) -> tuple[str, str]:
-    """("inline" | "worker", why). auto: the worker only where it pays, on CUDA (the decode overlaps the DiT's next
-    chunk on another device, or between its kernels); on a CPU both processes share the same cores, so the worker
-    gains nothing over inline (bench/results.md, "decode worker")."""
+# auto's thread: on a CPU of 2 to 4 torch threads. At 2 it was measured faster than inline (bench/results.md,
+# "Pipeline benchmark"); the decode thread's one core keeps up with the loop's others up to about 4 (its per-frame
+# SR + decode on one thread against the DiT's per-frame work on 3, same section), past which it would hold the loop.
+THREAD_CORES = range(2, 5)
+
+
+def choose(setting: str, family: Family, runtime: Runtime, threads: int = 1) -> tuple[str, str]:
+    """("inline" | "worker" | "thread", why); threads: the job's torch threads. auto: the worker on CUDA (the decode
+    overlaps the DiT's next chunk on another device, or between its kernels); on a CPU the worker's process shares
+    the same cores and gains nothing over inline (bench/results.md, "decode worker"), while a thread of the render
+    process with a core of its own overlaps the decode with the DiT on a CPU of THREAD_CORES threads."""
     if setting != "auto":
         return setting, "asked for"
     if family.decode_feeds_back:
         return "inline", f"auto: the {family.name} family's later chunks need the decoded frames"
+    if not runtime.is_cuda and threads in THREAD_CORES:
+        return "thread", f"auto: a CPU of {threads} threads, where a core of its own decodes beside the DiT"
     if not runtime.is_cuda:
-        return "inline", "auto: a CPU host, where the worker's decode competes with the DiT for the same cores"
+        return "inline", (f"auto: a CPU of {threads} thread{'s' if threads > 1 else ''}, where neither a worker "
+                          "process nor a decode thread pays")
     return "worker", "auto: CUDA, and the family's decode does not feed back"
 
 
