@@ -2,6 +2,7 @@
 
     python bench/live_latency.py [--seconds 60] [--outputs stdout rtmp hls] [--set KEY=VALUE ...] [--append]
     python bench/live_latency.py --outputs-only [--seconds 20] [--outputs stdout rtmp hls] [--hls-segment-s 0.5]
+    python bench/live_latency.py --seconds 12 --outputs stdout rtmp --pause 6:4 [--pause AT:SECONDS ...] [--pace 0.5]
 
 For each output and length, `avatar render sample_inputs/job.yaml audio=- --json -o OUTPUT` runs in its own
 process. From its `ready` event on, the sample speech (looped to the length) is written to its stdin in 20-ms
@@ -29,6 +30,13 @@ is what stands between the renderer and the viewer (encoder, muxer, packetisatio
 light enough to measure on a loaded machine. Reported: median, 95th percentile and max over the frames, the first frame at the reader against
 the first audio byte, the median of the last tenth of the frames against the first tenth (growth), the largest gap
 between frame arrivals, and the session's own events (its chunk latency, to the frames handed to the output).
+
+`--pause AT:SECONDS` makes the source fall silent: the writer stops sending when it reaches AT seconds of the
+speech and goes on SECONDS later (a speaker who pauses, a TTS engine that stalls). Such a run reports what a viewer
+sees of the pause: the largest gap between frame arrivals at the reader (the frame clock's promise: at most
+`live.stall_s` + 0.5 s), the stalls, the silence the session inserted (the stream's length less the speech), and the
+latency of the frames before the first pause. `--pace 0.5` sends at half the speaker's pace (a source that
+trickles), reported the same way.
 """
 
 import argparse
@@ -215,7 +223,8 @@ def _figures(output: str, arrived: dict[int, float], due: list[float], start: fl
             "largest_gap_s": max((b - a for a, b in zip(times, times[1:])), default=0.0)}
 
 
-def session(seconds: float, output: str = "stdout", overrides: tuple[str, ...] = ()) -> dict:
+def session(seconds: float, output: str = "stdout", overrides: tuple[str, ...] = (),
+            pauses: tuple[tuple[float, float], ...] = (), pace: float = 1.0) -> dict:
     WORK.mkdir(parents=True, exist_ok=True)
     wav = looped_speech(seconds, WORK / f"live_{int(seconds)}s.wav")
     with wave.open(str(wav)) as w:
@@ -258,8 +267,11 @@ def session(seconds: float, output: str = "stdout", overrides: tuple[str, ...] =
     proc.stdin.write(header)
     proc.stdin.flush()
     first_byte = time.monotonic()
+    to_pause, paused = sorted(pauses), 0.0
     for i, k in enumerate(range(0, len(pcm), piece)):
-        wait = t0 + i * PIECE_S - time.monotonic()
+        if to_pause and k // 2 >= to_pause[0][0] * rate:  # the source falls silent here
+            paused += to_pause.pop(0)[1]
+        wait = t0 + paused + i * PIECE_S / pace - time.monotonic()
         if wait > 0:
             time.sleep(wait)
         proc.stdin.write(pcm[k:k + piece])
@@ -280,9 +292,16 @@ def session(seconds: float, output: str = "stdout", overrides: tuple[str, ...] =
         s = int(k / fps * rate)
         return sent[min(len(sent) - 1, bisect.bisect_right(counts, s))][1]
 
-    speech_frames = int(len(pcm) // 2 / rate * fps)
-    due = [audio_sent(k) for k in range(speech_frames)]
+    speech_s = len(pcm) // 2 / rate
+    speech_frames = int(speech_s * fps)
+    # With pauses, frame k after the first shows inserted silence or speech moved by it: latency is counted before.
+    due = [audio_sent(k) for k in range(int(min([speech_s, *(at for at, _ in pauses)]) * fps))]
     figures = _figures(output, arrived, due, first_byte)
+    if pauses or pace != 1.0:
+        times = [arrived[k] for k in sorted(arrived)]
+        figures.update(pauses=list(pauses), pace=pace, speech_s=speech_s, silence_s=done["frames"] / fps - speech_s,
+                       frames_read=len(arrived), frames_missing=done["frames"] - len(arrived),
+                       largest_gap_s=max(b - a for a, b in zip(times, times[1:])))
     (WORK / f"latency_{output}.json").write_text(json.dumps({"arrived": sorted(arrived.items()), "due": due,
                                                              "events": events}))
     chunk_lat = [e["latency_s"] for e in events if e["event"] == "chunk" and e.get("latency_s") is not None]
@@ -360,8 +379,14 @@ def main() -> None:
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="job overrides for every session")
     ap.add_argument("--outputs-only", action="store_true", help="no model: frames into a LiveWriter at their time")
     ap.add_argument("--hls-segment-s", type=float, default=None, help="with --outputs-only: HLS segment length")
+    ap.add_argument("--pause", action="append", default=[], metavar="AT:SECONDS",
+                    help="the source falls silent at AT seconds of its speech for SECONDS (repeatable)")
+    ap.add_argument("--pace", type=float, default=1.0,
+                    help="the source sends at this times the speaker's pace (0.5: it trickles at half)")
     ap.add_argument("--append", action="store_true", help="add the results to bench/results.md")
     args = ap.parse_args()
+    pauses = tuple(tuple(float(x) for x in p.split(":")) for p in args.pause)
+    pace = args.pace
     seconds = args.seconds or ([20] if args.outputs_only else [60])
     WORK.mkdir(parents=True, exist_ok=True)
     machine = describe()
@@ -370,7 +395,7 @@ def main() -> None:
     if args.outputs_only:
         results = [outputs_only(s, o, args.hls_segment_s) for s in seconds for o in args.outputs]
     else:
-        results = [session(s, o, tuple(args.set)) for s in seconds for o in args.outputs]
+        results = [session(s, o, tuple(args.set), pauses, pace) for s in seconds for o in args.outputs]
     _less_stdout(results)
     for r in results:
         print(json.dumps(r))
@@ -378,7 +403,21 @@ def main() -> None:
     def less(r: dict) -> str:
         return f"{r['median_less_stdout_s']:+.2f} s" if "median_less_stdout_s" in r else ""
 
-    if args.outputs_only:
+    if pauses or pace != 1.0:
+        stall_s = next((float(v.split("=")[1]) for v in args.set if v.startswith("live.stall_s=")), 1.0)
+        rows = ["| output | speech | source's pace | pauses (at: length) | frames read (missing) | stalls | silence inserted | "
+                "largest gap between frames | limit (stall_s + 0.5 s) | median latency before the first pause |",
+                "|---|---|---|---|---|---|---|---|---|---|"]
+        rows += [f"| {r['output']} | {r['speech_s']:.1f} s | x{r['pace']:g} | "
+                 + (", ".join(f"{at:g} s: {n:g} s" for at, n in r["pauses"]) or "none")
+                 + f" | {r['frames_read']} ({r['frames_missing']}) | {r['stalls']} | {r['silence_s']:.2f} s | "
+                 f"{r['largest_gap_s']:.2f} s | {stall_s + 0.5:.2f} s | "
+                 + (f"{r['latency_median_s']:.2f} s |" if r["pace"] == 1.0 else "(the source is late) |")
+                 for r in results]
+        what = ("the demo job (mini, 256 x 256, 25 fps) as a session, `audio=-`, the sample speech written to stdin "
+                "in 20-ms pieces at the wall clock's pace (times the source's pace) from the `ready` event on, the "
+                "writer silent for each pause; the gap: between consecutive frames' arrivals at the reader")
+    elif args.outputs_only:
         rows = ["| output | frames read / put | first frame | median | p95 | max | median less stdout's | "
                 "largest gap |", "|---|---|---|---|---|---|---|---|"]
         rows += [f"| {r['output']} | {r['frames_read']} / {r['frames']} | {r['first_frame_s']:.2f} s | "
@@ -403,7 +442,8 @@ def main() -> None:
                 "frame: against the first audio byte")
     sets = "".join(f" --set {s}" for s in args.set)
     flags = (" --outputs-only" if args.outputs_only else "") + \
-        (f" --hls-segment-s {args.hls_segment_s:g}" if args.hls_segment_s else "")
+        (f" --hls-segment-s {args.hls_segment_s:g}" if args.hls_segment_s else "") + \
+        "".join(f" --pause {p}" for p in args.pause) + (f" --pace {pace:g}" if pace != 1.0 else "")
     text = "\n".join([
         f"## Live sessions: latency at the reader, {started:%Y-%m-%d %H:%M} UTC", "",
         f"Machine: {machine['cpu']}, {machine['cores']} cores, torch capability {machine['torch_capability']}; "
