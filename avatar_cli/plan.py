@@ -38,7 +38,7 @@ from avatar_cli.job import Split, resolve_decode, resolve_parallel
 from avatar_cli.pipeline.steps import rank_skips
 from avatar_cli.runtime.budget import GB, HOST_RESERVE, Budget, ModelBytes, SRBudget, rings_place
 from avatar_cli.runtime.device import Runtime, auto_dtype
-from avatar_cli.runtime.job_budget import job_budget, job_working_set
+from avatar_cli.runtime.job_budget import job_budget, job_working_set, sr_decode
 from avatar_cli.runtime.offload import host_tier_choice
 from avatar_cli.runtime.placement import Layout, choose_layout, plan_for
 from avatar_cli.spec import Job
@@ -401,7 +401,7 @@ def make_plan(job: Job, m: Machine, util: float = 0.4) -> Plan:
     text, text_why = _text_choice(job)
     text_names = set(family.needs[Step.prompt])
     loaded = {n: b.models[n] for n in family.components if text == "load" or n not in text_names}
-    decode, decode_why = resolve_decode(job, family, runtime, split)
+    decode, decode_why = _decode(job, source, runtime, split, size, m, sr, set(family.components) - set(loaded))
     # The super-resolution's models join the models of the rank that decodes, in the render process (a decode
     # worker holds them in its own: counted in its working set)
     sr_models = dict(sr.models) if sr is not None and decode == "inline" else {}
@@ -462,6 +462,18 @@ def make_plan(job: Job, m: Machine, util: float = 0.4) -> Plan:
                 gpu_capacity=m.gpu_bytes, host_bytes=host,
                 host_capacity=m.host_bytes, fits=fits, speed=speed, notes=notes,
                 sr=_sr_line(job, sr, _sr_where(split.value, decode, m.gpus), sr_offload) if sr is not None else None)
+
+
+def _decode(job: Job, source, runtime: Runtime, split: Split, size: tuple[int, int], m: Machine,
+            sr: SRBudget | None, skip: set[str]) -> tuple[str, str]:
+    """Where the decode runs, as a render on this machine decides it: `runtime.decode` resolved, then auto's worker
+    given up for inline where it cannot hold the super-resolution beside the DiT (render/setup.py `fit_decode`)."""
+    decode, why = resolve_decode(job, source.family, runtime, split)
+    if sr is not None and decode == "worker" and why.startswith("auto"):
+        inline = sr_decode(job, source, size, runtime.dtype, split.value, m.gpus, m.usable, m.host_bytes, sr, skip)
+        if inline is not None:
+            return "inline", inline
+    return decode, why
 
 
 def _sr_line(job: Job, sr: SRBudget, where: str, offload: str) -> dict:

@@ -39,7 +39,8 @@ def table(extra: list[str]) -> list[str]:
                 sr = make_plan(load_job(job, ["model=wan-s2v-14b", *keys, "sr.model=swiftvr", *extra]),
                                machine(gpus, host))
                 lines.append(f"| {gpus}, {host} host | {mode} | {p.parallel} | {dit} | {offload} | {p.decode} | "
-                             f"{_memory(p, ' | ')} | {_speed(p)} | {_memory(sr, ', ')} host, {_speed(sr)} |")
+                             f"{_memory(p, ' | ')} | {_speed(p)} | {_memory(sr, ', ')} host, {_speed(sr)}"
+                             + (f", decode {sr.decode}" if sr.decode != p.decode else "") + " |")
     return lines
 
 

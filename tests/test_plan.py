@@ -359,6 +359,18 @@ def test_super_resolution_sits_on_the_decode_rank_of_the_timestep_pipeline(job: 
     assert fits(sr) and "sr        x2" in format_plan(sr)
 
 
+def test_auto_decodes_inline_where_the_worker_cannot_hold_super_resolution(job: Path):
+    """1 x 24 GB streaming: the worker that auto takes without SR would hold SwiftVR whole beside the DiT and not
+    fit; the plan decodes inline (SR placed with the other models), says why, and fits. Asked for, the worker stays
+    and does not fit."""
+    base = plan(job, "1x24GB", "32GB", mode=STREAMING)
+    sr = plan(job, "1x24GB", "32GB", *SR, mode=STREAMING)
+    assert base.decode == "worker" and (sr.decode, sr.sr["where"]) == ("inline", "the GPU")
+    assert "whole" in sr.decode_why and fits(sr)
+    asked = plan(job, "1x24GB", "32GB", *SR, "runtime.decode=worker", mode=STREAMING)
+    assert asked.decode == "worker" and asked.decode_why == "asked for" and not asked.fits
+
+
 def test_a_super_resolution_directory_is_counted_from_its_own_files(job: Path, tiny_wan: Path, tmp_path: Path):
     """A SwiftVR directory (the tiny one `models init --family swiftvr` writes) is counted from its config and
     headers: its tensors at 2 bytes a value; a broken one, or a path that is no directory, is exit 2 naming it."""

@@ -301,3 +301,39 @@ def test_a_render_placed_from_memory_keeps_sr_s_working_set_free(wan_job: Path, 
     budget = sr_budget(sr_dir, p.sr.lq, 2, torch.float32)
     # At this size SR's chunk outgrows the DiT's and the decode's peaks: more than its state is added.
     assert counted[None] is not None and counted[sr_dir] - counted[None] > budget.state > 0
+
+
+def test_auto_decodes_inline_where_its_worker_cannot_hold_sr_beside_the_dit(wan_job: Path, sr_dir: Path):
+    """auto's decode worker (what CUDA resolves for the streaming mode) holds SR whole on rank 0's GPU. Where that
+    does not fit the free memory and inline does (SR placed with the other models, its blocks streamed under
+    block offload), the render decodes inline and says why; where it fits, or the worker was asked for, it stays."""
+    from dataclasses import replace
+
+    import torch
+
+    from avatar_cli.job import resolve
+    from avatar_cli.render.setup import ModelCache, Opened, fit_decode
+    from avatar_cli.runtime.device import Runtime
+    from avatar_cli.runtime.distributed import Dist
+    from avatar_cli.runtime.job_budget import rank0_bytes
+    from avatar_cli.spec import Decode, load_job
+    from avatar_cli.sr.swiftvr.budget import sr_budget
+
+    p = resolve(load_job(wan_job / "job.yaml", ["mode=streaming", f"sr.model={sr_dir}"]), force=True)
+    auto = replace(p, decode=Decode.worker, decode_why="auto: CUDA, and the family's decode does not feed back")
+    runtime = Runtime(torch.device("cpu"), torch.float32)
+    job = Opened(runtime, Dist(), p.frames)
+    sr = sr_budget(sr_dir, p.sr.lq, p.sr.scale, torch.float32)
+
+    def need(decode: str, free: int) -> int:
+        return rank0_bytes(p.job, p.model, p.gen_size, torch.float32, p.parallel.value, 1, decode, free, None, sr)
+
+    frees = [int(need("worker", 1 << 40) * f) for f in (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)]
+    tight = [f for f in frees if need("worker", f) > f and need("inline", f) <= f]
+    assert tight, [(f, need("worker", f), need("inline", f)) for f in frees]
+    inline = fit_decode(auto, job, ModelCache(transfer=object(), free_bytes=tight[0]))
+    assert inline.decode == Decode.inline and "whole" in inline.decode_why and inline.sr == p.sr
+    roomy = ModelCache(transfer=object(), free_bytes=need("worker", 1 << 40))
+    assert fit_decode(auto, job, roomy).decode == Decode.worker
+    asked = replace(auto, decode_why="asked for")
+    assert fit_decode(asked, job, ModelCache(transfer=object(), free_bytes=tight[0])) is asked

@@ -21,7 +21,7 @@ from avatar_cli.media.writer import Mp4Writer, resolve_codec
 from avatar_cli.pipeline import checkpoint as ckpt
 from avatar_cli.pipeline.events import ChunkDone, ResumeFrom, Stretch
 from avatar_cli.pipeline.fingerprint import describe_change, job_fingerprint
-from avatar_cli.render.setup import Built, ModelCache, Opened, build, opened
+from avatar_cli.render.setup import Built, ModelCache, Opened, build, fit_decode, opened
 from avatar_cli.render.summary import Summary
 from avatar_cli.report import Reporter, peak_rss_mb
 from avatar_cli.runtime.device import Runtime, cpu_info, dtype_name
@@ -69,6 +69,7 @@ def render(p: ResolvedJob, reporter: Reporter, models: ModelCache | None = None,
     resume = Resume(resume)
     fingerprint = job_fingerprint(p.job, p.model)
     with opened(p, reporter) as job:
+        p = fit_decode(p, job, models)
         start = _start_point(p, job, fingerprint, reporter, resume)
         built = build(p, job, reporter, models)
         return _render(p, job, built, start, fingerprint, reporter, t_start)

@@ -27,7 +27,7 @@ from avatar_cli.modules.module import Module
 from avatar_cli.pipeline import checkpoint as ckpt
 from avatar_cli.pipeline.run import Pipeline
 from avatar_cli.pipeline.steps import DECODE_RANK, rank_skips
-from avatar_cli.runtime.job_budget import render_rings, render_working_bytes
+from avatar_cli.runtime.job_budget import render_rings, render_working_bytes, sr_decode
 from avatar_cli.prompts import cache as prompt_cache
 from avatar_cli.prompts.cache import PromptCache
 from avatar_cli.report import Reporter
@@ -42,7 +42,7 @@ from avatar_cli.stages.sr import load_models as load_sr_models
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Built", "ModelCache", "Opened", "build", "opened", "runs_sr", "setup_runtime"]
+__all__ = ["Built", "ModelCache", "Opened", "build", "fit_decode", "opened", "runs_sr", "setup_runtime"]
 
 
 @dataclass
@@ -245,6 +245,27 @@ def working_bytes(p: ResolvedJob, runtime: Runtime, dist: Dist, models: ModelCac
         log.info("placement: %.1f GB kept free for state and activations (counted on the meta device)",
                  working / 1e9)
     return working
+
+
+def fit_decode(p: ResolvedJob, job: Opened, models: ModelCache | None = None) -> ResolvedJob:
+    """The job with auto's decode worker given up for inline where the worker cannot hold the job's
+    super-resolution whole beside the models rank 0's GPU places (runtime/job_budget.py `sr_decode`, as `avatar
+    plan` decides it); rank 0's device decides, for every rank. Any other job as it is."""
+    if p.sr is None or p.decode != Decode.worker or not p.decode_why.startswith("auto"):
+        return p
+    why = None
+    if job.main:
+        free = torch.cuda.mem_get_info(job.runtime.device)[0] if job.runtime.is_cuda else \
+            models.free_bytes if models is not None else None
+        if free is not None and p.model.spec.budget is not None:
+            from avatar_cli.sr.swiftvr.budget import sr_budget  # meta counting: paid only with sr.model
+
+            rt = p.job.spec.runtime
+            sr = sr_budget(p.sr.model, p.sr.lq, p.sr.scale, job.runtime.dtype, rt.weights.value)
+            why = sr_decode(p.job, p.model, p.gen_size, job.runtime.dtype, p.parallel.value, p.world_size, free,
+                            host_available(), sr)
+    why = job.dist.broadcast_object(why)
+    return p if why is None else replace(p, decode=Decode.inline, decode_why=why)
 
 
 def runs_sr(p: ResolvedJob, rank: int) -> bool:
