@@ -102,10 +102,13 @@ def test_a_decode_that_feeds_back_refuses_the_thread():
     dw.check_setting("thread", mini)
     cpu = Runtime(torch.device("cpu"), torch.float32)
     assert dw.choose("thread", mini, cpu) == ("thread", "asked for")
-    # auto: the thread on a CPU of 2 to 4 threads (measured to pay at 2), inline on one thread or many
-    assert [dw.choose("auto", mini, cpu, n)[0] for n in (1, 2, 4, 5, 64)] == ["inline", "thread", "thread",
-                                                                              "inline", "inline"]
-    assert dw.choose("auto", clip, cpu, 2)[0] == "inline"  # a decode that feeds back stays with the DiT
+    # auto: the thread on a CPU of 2 to 4 threads in bf16 (measured to pay at 2), inline on one thread or many, and
+    # in float32 (no gain measured, and the loop's float32 kernels round by thread count)
+    bf16 = Runtime(torch.device("cpu"), torch.bfloat16)
+    assert [dw.choose("auto", mini, bf16, n)[0] for n in (1, 2, 4, 5, 64)] == ["inline", "thread", "thread",
+                                                                               "inline", "inline"]
+    assert dw.choose("auto", mini, cpu, 2)[0] == "inline" and "float32" in dw.choose("auto", mini, cpu, 2)[1]
+    assert dw.choose("auto", clip, bf16, 2)[0] == "inline"  # a decode that feeds back stays with the DiT
 
 
 def test_core_share_lends_a_thread_while_the_helper_works_and_takes_it_back_at_the_next_block():
@@ -151,8 +154,8 @@ def test_frame_super_resolution_keeps_the_decode_inline(job_dir: Path, swiftvr_d
     assert resolve(load_job(job_dir / "job.yaml", ["runtime.decode=thread"]), force=True).decode.value == "thread"
 
 
-def test_auto_resolves_to_the_thread_for_a_file_render_on_two_cpu_threads(job_dir: Path):
-    p = resolve(load_job(job_dir / "job.yaml", ["runtime.threads=2"]), force=True)
-    assert p.decode.value == "thread" and "2 threads" in p.decode_why
-    one = resolve(load_job(job_dir / "job.yaml", ["runtime.threads=1"]), force=True)
-    assert one.decode.value == "inline"
+def test_auto_resolves_to_the_thread_for_a_bf16_file_render_on_two_cpu_threads(job_dir: Path):
+    p = resolve(load_job(job_dir / "job.yaml", ["runtime.threads=2", "runtime.dtype=bfloat16"]), force=True)
+    assert p.decode.value == "thread" and "2 threads in bf16" in p.decode_why
+    for other in (["runtime.threads=1", "runtime.dtype=bfloat16"], ["runtime.threads=2", "runtime.dtype=float32"]):
+        assert resolve(load_job(job_dir / "job.yaml", other), force=True).decode.value == "inline"

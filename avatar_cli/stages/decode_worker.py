@@ -51,7 +51,7 @@ from avatar_cli.families.registry import load_modules
 from avatar_cli.media.sink import HashingSink
 from avatar_cli.media.writer import Mp4Writer
 from avatar_cli.pipeline.events import Stretch
-from avatar_cli.runtime.device import Runtime
+from avatar_cli.runtime.device import Runtime, dtype_name
 from avatar_cli.runtime.distributed import Dist
 from avatar_cli.runtime.placement import place
 from avatar_cli.stages.publish import DecodePublish, to_sink
@@ -99,9 +99,12 @@ def check_setting(setting: str, family: Family) -> None:
                          "or auto")
 
 
-# auto's thread: on a CPU of 2 to 4 torch threads. At 2 it was measured faster than inline (bench/results.md,
-# "Pipeline benchmark"); the decode thread's one core keeps up with the loop's others up to about 4 (its per-frame
-# SR + decode on one thread against the DiT's per-frame work on 3, same section), past which it would hold the loop.
+# auto's thread: a CPU computing in bf16 (natively) on 2 to 4 torch threads. At 2 it was measured faster than
+# inline, with the same frames (bench/results.md, "Pipeline benchmark" and "The decode thread as auto's choice"); the
+# decode thread's one core keeps up with the loop's others up to about 4 (its per-frame SR + decode on one thread
+# against the DiT's per-frame work on 3, same section), past which it would hold the loop. In float32 it gained
+# within noise, and the DiT's float32 kernels round short chunks differently on 1 thread than on 2 (the loop lends
+# a thread while the decode works), so the frames would differ from inline's: auto keeps inline there.
 THREAD_CORES = range(2, 5)
 
 
@@ -109,17 +112,19 @@ def choose(setting: str, family: Family, runtime: Runtime, threads: int = 1) -> 
     """("inline" | "worker" | "thread", why); threads: the job's torch threads. auto: the worker on CUDA (the decode
     overlaps the DiT's next chunk on another device, or between its kernels); on a CPU the worker's process shares
     the same cores and gains nothing over inline (bench/results.md, "decode worker"), while a thread of the render
-    process with a core of its own overlaps the decode with the DiT on a CPU of THREAD_CORES threads."""
+    process with a core of its own overlaps the decode with the DiT in bf16 on THREAD_CORES threads."""
     if setting != "auto":
         return setting, "asked for"
     if family.decode_feeds_back:
         return "inline", f"auto: the {family.name} family's later chunks need the decoded frames"
-    if not runtime.is_cuda and threads in THREAD_CORES:
-        return "thread", f"auto: a CPU of {threads} threads, where a core of its own decodes beside the DiT"
-    if not runtime.is_cuda:
-        return "inline", (f"auto: a CPU of {threads} thread{'s' if threads > 1 else ''}, where neither a worker "
-                          "process nor a decode thread pays")
-    return "worker", "auto: CUDA, and the family's decode does not feed back"
+    if runtime.is_cuda:
+        return "worker", "auto: CUDA, and the family's decode does not feed back"
+    if threads in THREAD_CORES and runtime.dtype == torch.bfloat16:
+        return "thread", f"auto: a CPU of {threads} threads in bf16, where a core of its own decodes beside the DiT"
+    if threads in THREAD_CORES:
+        return "inline", f"auto: {dtype_name(runtime.dtype)} on a CPU, where a decode thread does not pay"
+    return "inline", (f"auto: a CPU of {threads} thread{'s' if threads > 1 else ''}, where neither a worker process "
+                      "nor a decode thread pays")
 
 
 def worker_device(runtime: Runtime, world_size: int) -> torch.device:
