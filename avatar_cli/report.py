@@ -18,8 +18,17 @@ from avatar_cli.pipeline.events import LiveChunk, LiveEvent, Ready
 
 
 def peak_rss_mb() -> float:
-    # ru_maxrss is in KiB on Linux.
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    """This process's peak RSS in MiB: VmHWM, which belongs to the address space exec made. ru_maxrss (the fallback
+    where /proc is not there) keeps the parent's RSS at the fork, so a render started by a large process (a job
+    runner, a benchmark that loaded models) would report the parent's peak as its own."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0  # kB
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
 
 
 def peak_memory_text() -> str:

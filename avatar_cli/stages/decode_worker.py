@@ -51,6 +51,7 @@ from avatar_cli.families.registry import load_modules
 from avatar_cli.media.sink import HashingSink
 from avatar_cli.media.writer import Mp4Writer
 from avatar_cli.pipeline.events import Stretch
+from avatar_cli.report import peak_rss_mb
 from avatar_cli.runtime.device import Runtime, dtype_name
 from avatar_cli.runtime.distributed import Dist
 from avatar_cli.runtime.placement import place
@@ -502,7 +503,7 @@ def _serve(family: Family, publish: Any, runtime: Runtime, writer: Any, size: tu
         msg = inbox.get()
         if msg[0] == "close":
             writer.close()
-            outbox.put(("closed", _peak_rss_mb()))
+            outbox.put(("closed", round(peak_rss_mb(), 1)))
             return
         if msg[0] == "abort":
             writer.abort()
@@ -552,16 +553,3 @@ def _serve(family: Family, publish: Any, runtime: Runtime, writer: Any, size: tu
             acks[slot] = new = _shared_buffer(need)
         layout = pack(acks[slot], cache) if cache else []
         outbox.put(("done", seq, slot, layout, hashing.take_digest(), new, hashing.first_put, decode_s, written))
-
-
-def _peak_rss_mb() -> float | None:
-    """This process's own peak RSS: VmHWM belongs to its address space, which exec made new (ru_maxrss would start
-    at the render process's peak when it was forked)."""
-    try:
-        for line in open("/proc/self/status"):
-            if line.startswith("VmHWM:"):
-                return round(int(line.split()[1]) / 1024, 1)
-    except OSError:
-        pass
-    return None
-
