@@ -103,9 +103,9 @@ def check_setting(setting: str, family: Family) -> None:
 # auto's thread: a CPU computing in bf16 (natively) on 2 to 4 torch threads. At 2 it was measured faster than
 # inline, with the same frames (bench/results.md, "Pipeline benchmark" and "The decode thread as auto's choice"); the
 # decode thread's one core keeps up with the loop's others up to about 4 (its per-frame SR + decode on one thread
-# against the DiT's per-frame work on 3, same section), past which it would hold the loop. In float32 it gained
-# within noise, and the DiT's float32 kernels round short chunks differently on 1 thread than on 2 (the loop lends
-# a thread while the decode works), so the frames would differ from inline's: auto keeps inline there.
+# against the DiT's per-frame work on 3, same section), past which it would hold the loop. In float32 a Linear
+# over a few rows (a short last chunk's modulation) sums in another order on 1 thread than on 2, and the loop lends
+# a thread while the decode works, so the frames would differ from inline's and a live session's: auto keeps inline.
 THREAD_CORES = range(2, 5)
 
 
@@ -123,7 +123,8 @@ def choose(setting: str, family: Family, runtime: Runtime, threads: int = 1) -> 
     if threads in THREAD_CORES and runtime.dtype == torch.bfloat16:
         return "thread", f"auto: a CPU of {threads} threads in bf16, where a core of its own decodes beside the DiT"
     if threads in THREAD_CORES:
-        return "inline", f"auto: {dtype_name(runtime.dtype)} on a CPU, where a decode thread does not pay"
+        return "inline", (f"auto: {dtype_name(runtime.dtype)} on a CPU, where a decode thread's frames would differ "
+                          "from inline's by rounding")
     return "inline", (f"auto: a CPU of {threads} thread{'s' if threads > 1 else ''}, where neither a worker process "
                       "nor a decode thread pays")
 
