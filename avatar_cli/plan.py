@@ -36,11 +36,11 @@ from avatar_cli.families.base import Step
 from avatar_cli.families.registry import resolve_model, with_dit, with_mode
 from avatar_cli.job import Split, resolve_decode, resolve_parallel
 from avatar_cli.pipeline.steps import rank_skips
-from avatar_cli.runtime.budget import GB, HOST_RESERVE, Budget, ModelBytes, SRBudget, rings_place
+from avatar_cli.runtime.budget import GB, HOST_RESERVE, Budget, ModelBytes, SRBudget
 from avatar_cli.runtime.device import Runtime, auto_dtype
-from avatar_cli.runtime.job_budget import job_budget, job_working_set, sr_decode
+from avatar_cli.runtime.job_budget import job_budget, job_working_set, place_rank0, rank_layout, sr_decode
 from avatar_cli.runtime.offload import host_tier_choice
-from avatar_cli.runtime.placement import Layout, choose_layout, plan_for
+from avatar_cli.runtime.placement import Layout
 from avatar_cli.spec import Job
 
 GIB = 2**30
@@ -243,15 +243,10 @@ def _text_choice(job: Job) -> tuple[str, str]:
     return "load", "runtime.text_cache: off: every render loads the text encoder beside the DiT"
 
 
-def _rank(role: str, count: int, sizes: dict[str, ModelBytes], job: Job, family, world: int, free: int,
-          state: int, work: int, worker: int = 0) -> tuple[RankPlan, Layout]:
-    rt = job.spec.runtime
-    quantized = [n for n, _ in family.parallel.quantized] if rt.weights.value != "bf16" else []
-    quantized += [n for n, s in sizes.items() if s.stored_quantized and n not in quantized]  # as placement counts
-    layout = choose_layout(sizes, plan_for(family.parallel, sizes), world, free, state + work + worker,
-                           rt.offload.value, rt.shard.value, rt.reshard.value, unshardable=quantized)
+def _rank(role: str, count: int, sizes: dict[str, ModelBytes], layout: Layout, state: int, work: int,
+          worker: int = 0) -> RankPlan:
     return RankPlan(role, count, sorted(sizes), list(layout.sharded), layout.offload, layout.shard_why,
-                    layout.offload_why, layout.weights_peak(), state, work, worker), layout
+                    layout.offload_why, layout.weights_peak(), state, work, worker)
 
 
 def _host_tier(job: Job, m: Machine, ranks: list[RankPlan], sizes: dict[str, ModelBytes], source, layouts,
@@ -394,40 +389,33 @@ def make_plan(job: Job, m: Machine, util: float = 0.4) -> Plan:
     runtime = Runtime(torch.device("cuda"), dtype, dtype_why)
     split, split_why = resolve_parallel(job, source, m.gpus)
     size = _frame_size(job, family)
-    sp = job.spec.sampling
     weights = rt.weights.value
     b = job_budget(job, source, size, dtype)
     sr = _sr_budget(job, size, dtype)
     text, text_why = _text_choice(job)
     text_names = set(family.needs[Step.prompt])
     loaded = {n: b.models[n] for n in family.components if text == "load" or n not in text_names}
-    decode, decode_why = _decode(job, source, runtime, split, size, m, sr, set(family.components) - set(loaded))
+    decode, decode_why = _decode(job, family, runtime, split, b, m, sr, loaded)
     # The super-resolution's models join the models of the rank that decodes, in the render process (a decode
     # worker holds them in its own: counted in its working set)
     sr_models = dict(sr.models) if sr is not None and decode == "inline" else {}
     free = m.usable
     ranks, layouts = [], []
-    rings_at, rings_host, rings_why = "device", False, ""
+    rings_at, rings_why = "device", ""
     if split == Split.steps:
         for role, rank, count in (("a step rank", 1, m.gpus - 1), ("the decode rank", 0, 1)):
             keep = {n: s for n, s in loaded.items() if n not in rank_skips(family, rank)}
             if rank == 0:
                 keep |= sr_models
-            r, lay = _rank(role, count, keep, job, family, 1, free,
-                           *job_working_set(b, family, split, m.gpus, rank, decode, sr=sr))
-            ranks.append(r)
-            layouts.append(lay)
+            ws = job_working_set(b, family, split, m.gpus, rank, decode, sr=sr)
+            layouts.append(rank_layout(keep, family, rt, 1, free, sum(ws)))
+            ranks.append(_rank(role, count, keep, layouts[-1], *ws))
     else:  # rank 0 is the fullest (a decode worker shares its GPU): every rank is planned as it
         here = loaded | sr_models
-        ws = job_working_set(b, family, split, m.gpus, 0, decode, sr=sr)
-        # Where the rings wait, decided before the layout as a render decides it (render/setup.py).
-        rings_at, rings_why = rings_place(rt.rings.value, m.gpus, sum(s.total for s in here.values()) + sum(ws),
-                                          free, b.state, m.host_bytes) if b.state else ("device", "")
-        rings_host = rings_at != "device"
-        r, lay = _rank("every rank" if m.gpus > 1 else "the GPU", m.gpus, here, job, family, m.gpus, free,
-                       *job_working_set(b, family, split, m.gpus, 0, decode, rings_host, sr))
-        ranks.append(r)
-        layouts.append(lay)
+        r0 = place_rank0(b, family, rt, split, m.gpus, decode, here, free, m.host_bytes, sr)
+        rings_at, rings_why = r0.rings_at, r0.rings_why
+        layouts.append(r0.layout)
+        ranks.append(_rank("every rank" if m.gpus > 1 else "the GPU", m.gpus, here, r0.layout, *r0.working))
     tier, tier_why = _host_tier(job, m, ranks, loaded | sr_models, source, layouts,
                                 b.state if rings_at == "host" else 0)
     if rings_at != "device":
@@ -437,22 +425,8 @@ def make_plan(job: Job, m: Machine, util: float = 0.4) -> Plan:
     # the decode rank is planned last; a decode worker holds the super-resolution resident
     sr_offload = layouts[-1 if split == Split.steps else 0].offload if sr_models else "none"
     speed = _speed(b, m, util, split.value, decode, ranks, loaded, tier, rings_at, sr, sr_offload)
-    notes = list(b.notes)
-    if rings_host:
-        where = "pinned host memory" if rings_at == "host" else "a memory-mapped scratch file (the page cache)"
-        notes.append(f"runtime.rings: {rings_at} ({rings_why}): {b.state / GB:.1f} GB in {where}, "
-                     f"{b.ring_layer / GB:.2f} GB brought in per layer")
-    if text == "cache" and text_names:
-        t = sum(b.models[n].total for n in text_names)
-        notes.append(f"`avatar prompts encode` loads the text encoder alone: {t / GB:.1f} GB "
-                     f"({'fits' if t + CUDA_CONTEXT < m.gpu_bytes else 'does not fit'} one GPU)")
-    if gpu > m.gpu_bytes:
-        notes.append(f"does not fit: the fullest GPU needs {gpu / GB:.1f} GB of {m.gpu_bytes / GB:.1f} GB")
-    if m.host_bytes is not None and host > m.host_bytes:
-        notes.append(f"does not fit: the host needs {host / GB:.1f} GB of {m.host_bytes / GB:.1f} GB")
     fits = gpu <= m.gpu_bytes and (m.host_bytes is None or host <= m.host_bytes)
-    if not fits and (rt.weights.value == "bf16" or rt.vae_dtype.value != "bfloat16"):
-        notes.append(_smaller(job, m, util))
+    notes = _notes(job, m, util, b, rings_at, rings_why, text, text_names, gpu, host, fits)
     return Plan(job=str(job.path), model=source.name, family=spec.name, mode=source.mode, size=size,
                 machine=m.label, card=m.card.name, utilisation=util, parallel=split.value, parallel_why=split_why,
                 decode=decode, decode_why=decode_why, vae_dtype=b.models["vae"].dtype, text=text, text_why=text_why,
@@ -464,13 +438,37 @@ def make_plan(job: Job, m: Machine, util: float = 0.4) -> Plan:
                 sr=_sr_line(job, sr, _sr_where(split.value, decode, m.gpus), sr_offload) if sr is not None else None)
 
 
-def _decode(job: Job, source, runtime: Runtime, split: Split, size: tuple[int, int], m: Machine,
-            sr: SRBudget | None, skip: set[str]) -> tuple[str, str]:
+def _notes(job: Job, m: Machine, util: float, b: Budget, rings_at: str, rings_why: str, text: str,
+           text_names: set[str], gpu: int, host: int, fits: bool) -> list[str]:
+    """What the plan adds below its table: the rings off the device, the text encoder alone, what does not fit and
+    the smaller settings that might."""
+    notes = list(b.notes)
+    rt = job.spec.runtime
+    if rings_at != "device":
+        where = "pinned host memory" if rings_at == "host" else "a memory-mapped scratch file (the page cache)"
+        notes.append(f"runtime.rings: {rings_at} ({rings_why}): {b.state / GB:.1f} GB in {where}, "
+                     f"{b.ring_layer / GB:.2f} GB brought in per layer")
+    if text == "cache" and text_names:
+        t = sum(b.models[n].total for n in text_names)
+        notes.append(f"`avatar prompts encode` loads the text encoder alone: {t / GB:.1f} GB "
+                     f"({'fits' if t + CUDA_CONTEXT < m.gpu_bytes else 'does not fit'} one GPU)")
+    if gpu > m.gpu_bytes:
+        notes.append(f"does not fit: the fullest GPU needs {gpu / GB:.1f} GB of {m.gpu_bytes / GB:.1f} GB")
+    if m.host_bytes is not None and host > m.host_bytes:
+        notes.append(f"does not fit: the host needs {host / GB:.1f} GB of {m.host_bytes / GB:.1f} GB")
+    if not fits and (rt.weights.value == "bf16" or rt.vae_dtype.value != "bfloat16"):
+        notes.append(_smaller(job, m, util))
+    return notes
+
+
+def _decode(job: Job, family, runtime: Runtime, split: Split, b: Budget, m: Machine, sr: SRBudget | None,
+            loaded: dict[str, ModelBytes]) -> tuple[str, str]:
     """Where the decode runs, as a render on this machine decides it: `runtime.decode` resolved, then auto's worker
     given up for inline where it cannot hold the super-resolution beside the DiT (render/setup.py `fit_decode`)."""
-    decode, why = resolve_decode(job, source.family, runtime, split)
-    if sr is not None and decode == "worker" and why.startswith("auto"):
-        inline = sr_decode(job, source, size, runtime.dtype, split.value, m.gpus, m.usable, m.host_bytes, sr, skip)
+    decode, why = resolve_decode(job, family, runtime, split)
+    rt = job.spec.runtime
+    if sr is not None and decode == "worker" and rt.decode.value == "auto":
+        inline = sr_decode(b, family, rt, split, m.gpus, m.usable, m.host_bytes, sr, loaded)
         if inline is not None:
             return "inline", inline
     return decode, why

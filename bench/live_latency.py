@@ -293,7 +293,6 @@ def session(seconds: float, output: str = "stdout", overrides: tuple[str, ...] =
         return sent[min(len(sent) - 1, bisect.bisect_right(counts, s))][1]
 
     speech_s = len(pcm) // 2 / rate
-    speech_frames = int(speech_s * fps)
     # With pauses, frame k after the first shows inserted silence or speech moved by it: latency is counted before.
     due = [audio_sent(k) for k in range(int(min([speech_s, *(at for at, _ in pauses)]) * fps))]
     figures = _figures(output, arrived, due, first_byte)

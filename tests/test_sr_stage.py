@@ -315,7 +315,7 @@ def test_auto_decodes_inline_where_its_worker_cannot_hold_sr_beside_the_dit(wan_
     from avatar_cli.render.setup import ModelCache, Opened, fit_decode
     from avatar_cli.runtime.device import Runtime
     from avatar_cli.runtime.distributed import Dist
-    from avatar_cli.runtime.job_budget import rank0_bytes
+    from avatar_cli.runtime.job_budget import job_budget, place_rank0
     from avatar_cli.spec import Decode, load_job
     from avatar_cli.sr.swiftvr.budget import sr_budget
 
@@ -324,9 +324,13 @@ def test_auto_decodes_inline_where_its_worker_cannot_hold_sr_beside_the_dit(wan_
     runtime = Runtime(torch.device("cpu"), torch.float32)
     job = Opened(runtime, Dist(), p.frames)
     sr = sr_budget(sr_dir, p.sr.lq, p.sr.scale, torch.float32)
+    b = job_budget(p.job, p.model, p.gen_size, torch.float32)
+    family, rt = p.model.family, p.job.spec.runtime
+    models = {n: b.models[n] for n in family.components}
 
     def need(decode: str, free: int) -> int:
-        return rank0_bytes(p.job, p.model, p.gen_size, torch.float32, p.parallel.value, 1, decode, free, None, sr)
+        sizes = models | dict(sr.models) if decode == "inline" else models
+        return place_rank0(b, family, rt, p.parallel.value, 1, decode, sizes, free, None, sr).gpu_bytes
 
     frees = [int(need("worker", 1 << 40) * f) for f in (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)]
     tight = [f for f in frees if need("worker", f) > f and need("inline", f) <= f]
@@ -335,5 +339,6 @@ def test_auto_decodes_inline_where_its_worker_cannot_hold_sr_beside_the_dit(wan_
     assert inline.decode == Decode.inline and "whole" in inline.decode_why and inline.sr == p.sr
     roomy = ModelCache(transfer=object(), free_bytes=need("worker", 1 << 40))
     assert fit_decode(auto, job, roomy).decode == Decode.worker
-    asked = replace(auto, decode_why="asked for")
+    asked = resolve(load_job(wan_job / "job.yaml", ["mode=streaming", f"sr.model={sr_dir}", "runtime.decode=worker"]),
+                    force=True)
     assert fit_decode(asked, job, ModelCache(transfer=object(), free_bytes=tight[0])) is asked

@@ -27,7 +27,7 @@ from avatar_cli.modules.module import Module
 from avatar_cli.pipeline import checkpoint as ckpt
 from avatar_cli.pipeline.run import Pipeline
 from avatar_cli.pipeline.steps import DECODE_RANK, rank_skips
-from avatar_cli.runtime.job_budget import render_rings, render_working_bytes, sr_decode
+from avatar_cli.runtime.job_budget import job_budget, render_rings, render_working_bytes, sr_decode
 from avatar_cli.prompts import cache as prompt_cache
 from avatar_cli.prompts.cache import PromptCache
 from avatar_cli.report import Reporter
@@ -251,19 +251,22 @@ def fit_decode(p: ResolvedJob, job: Opened, models: ModelCache | None = None) ->
     """The job with auto's decode worker given up for inline where the worker cannot hold the job's
     super-resolution whole beside the models rank 0's GPU places (runtime/job_budget.py `sr_decode`, as `avatar
     plan` decides it); rank 0's device decides, for every rank. Any other job as it is."""
-    if p.sr is None or p.decode != Decode.worker or not p.decode_why.startswith("auto"):
+    rt = p.job.spec.runtime
+    if p.sr is None or p.decode != Decode.worker or rt.decode.value != "auto":
         return p
     why = None
+    free = None
     if job.main:
         free = torch.cuda.mem_get_info(job.runtime.device)[0] if job.runtime.is_cuda else \
             models.free_bytes if models is not None else None
-        if free is not None and p.model.spec.budget is not None:
-            from avatar_cli.sr.swiftvr.budget import sr_budget  # meta counting: paid only with sr.model
+    if free is not None and p.model.spec.budget is not None:
+        from avatar_cli.sr.swiftvr.budget import sr_budget  # meta counting: paid only with sr.model
 
-            rt = p.job.spec.runtime
-            sr = sr_budget(p.sr.model, p.sr.lq, p.sr.scale, job.runtime.dtype, rt.weights.value)
-            why = sr_decode(p.job, p.model, p.gen_size, job.runtime.dtype, p.parallel.value, p.world_size, free,
-                            host_available(), sr)
+        family, dtype = p.model.family, job.runtime.dtype
+        b = job_budget(p.job, p.model, p.gen_size, dtype)
+        sr = sr_budget(p.sr.model, p.sr.lq, p.sr.scale, dtype, rt.weights.value)
+        why = sr_decode(b, family, rt, p.parallel.value, p.world_size, free, host_available(), sr,
+                        {n: b.models[n] for n in family.components})
     why = job.dist.broadcast_object(why)
     return p if why is None else replace(p, decode=Decode.inline, decode_why=why)
 

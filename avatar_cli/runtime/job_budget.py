@@ -9,11 +9,13 @@ imports nothing above it: `runtime.*` settings are read by their values, `runtim
 (single | sequence | steps), and the family's `needs` by step name.
 """
 
+from dataclasses import dataclass
+
 import torch
 
-from avatar_cli.runtime.budget import Budget, SRBudget, rings_place, working_set
+from avatar_cli.runtime.budget import Budget, ModelBytes, SRBudget, rings_place, working_set
 from avatar_cli.runtime.device import Runtime
-from avatar_cli.runtime.placement import choose_layout, plan_for
+from avatar_cli.runtime.placement import Layout, choose_layout, plan_for
 
 
 def job_budget(job, source, size: tuple[int, int], dtype: torch.dtype) -> Budget:
@@ -61,41 +63,55 @@ def render_rings(p, runtime: Runtime, free: int | None, host_free: int | None, s
     return rings_place(setting, p.world_size, models + sum(ws), free, b.state, host_free)
 
 
-def rank0_bytes(job, source, size: tuple[int, int], dtype: torch.dtype, split: str, world: int, decode: str,
-                free: int, host_free: int | None, sr: SRBudget | None, skip=()) -> int:
-    """What rank 0's GPU holds at its fullest (weights, state, activations, a decode worker beside), the CUDA
-    context aside, in the layout placement takes for `free` bytes free, with the decode run `decode` (inline |
-    worker) and the job's super-resolution where that decode runs: placed with the rank's other models inline
-    (streamed with them under block offload), whole in a worker. skip: components not loaded (a cached prompt's
-    encoder). Not for the timestep pipeline, which has no worker."""
-    family, rt = source.family, job.spec.runtime
-    b = job_budget(job, source, size, dtype)
-    sizes = {n: m for n, m in b.models.items() if n in family.components and n not in skip}
-    if decode == "inline" and sr is not None:
-        sizes |= dict(sr.models)
-    rings_host = False
-    if b.state:  # where the rings wait, decided before the layout as a render decides it
-        ws = job_working_set(b, family, split, world, 0, decode, sr=sr)
-        at, _ = rings_place(rt.rings.value, world, sum(m.total for m in sizes.values()) + sum(ws), free, b.state,
-                            host_free)
-        rings_host = at != "device"
-    state, work, worker = job_working_set(b, family, split, world, 0, decode, rings_host, sr)
+def rank_layout(sizes: dict[str, ModelBytes], family, rt, world: int, free: int | None, working: int) -> Layout:
+    """choose_layout for one rank's models with `working` bytes kept free, as placement counts them: quantized
+    components (`runtime.weights`, or stored quantized) are replicated, not sharded."""
     quantized = [n for n, _ in family.parallel.quantized] if rt.weights.value != "bf16" else []
     quantized += [n for n, m in sizes.items() if m.stored_quantized and n not in quantized]
-    layout = choose_layout(sizes, plan_for(family.parallel, sizes), world, free, state + work + worker,
-                           rt.offload.value, rt.shard.value, rt.reshard.value, unshardable=quantized)
-    return layout.weights_peak() + state + work + worker
+    return choose_layout(sizes, plan_for(family.parallel, sizes), world, free, working, rt.offload.value,
+                         rt.shard.value, rt.reshard.value, unshardable=quantized)
 
 
-def sr_decode(job, source, size: tuple[int, int], dtype: torch.dtype, split: str, world: int, free: int,
-              host_free: int | None, sr: SRBudget, skip=()) -> str | None:
+@dataclass
+class Rank0:
+    """Rank 0's GPU outside the timestep pipeline: its layout, its working set (state, activations, a decode
+    worker beside) and where the rings wait."""
+
+    layout: Layout
+    working: tuple[int, int, int]
+    rings_at: str
+    rings_why: str
+
+    @property
+    def gpu_bytes(self) -> int:
+        """What it holds at its fullest, the CUDA context aside."""
+        return self.layout.weights_peak() + sum(self.working)
+
+
+def place_rank0(b: Budget, family, rt, split: str, world: int, decode: str, sizes: dict[str, ModelBytes],
+                free: int, host_free: int | None, sr: SRBudget | None) -> Rank0:
+    """Where the rings wait (decided first, as a render decides it), then the layout of `sizes` (rank 0's models,
+    the super-resolution's among them where it runs in this process) with its working set kept free; decode:
+    inline | worker."""
+    rings_at, rings_why = "device", ""
+    if b.state:
+        ws = job_working_set(b, family, split, world, 0, decode, sr=sr)
+        rings_at, rings_why = rings_place(rt.rings.value, world, sum(m.total for m in sizes.values()) + sum(ws),
+                                          free, b.state, host_free)
+    working = job_working_set(b, family, split, world, 0, decode, rings_at != "device", sr)
+    return Rank0(rank_layout(sizes, family, rt, world, free, sum(working)), working, rings_at, rings_why)
+
+
+def sr_decode(b: Budget, family, rt, split: str, world: int, free: int, host_free: int | None, sr: SRBudget,
+              sizes: dict[str, ModelBytes]) -> str | None:
     """auto's decode worker holds the job's super-resolution whole on rank 0's GPU (a worker places nothing).
-    Where that does not fit `free` and the decode inline does (the super-resolution then placed with the rank's other
-    models), the reason to decode inline; None: the worker stays (it fits, or neither does)."""
-    worker = rank0_bytes(job, source, size, dtype, split, world, "worker", free, host_free, sr, skip)
+    Where that does not fit `free` and the decode inline does (the super-resolution then placed with rank 0's other
+    models, `sizes`), the reason to decode inline; None: the worker stays (it fits, or neither does)."""
+    worker = place_rank0(b, family, rt, split, world, "worker", sizes, free, host_free, sr).gpu_bytes
     if worker <= free:
         return None
-    inline = rank0_bytes(job, source, size, dtype, split, world, "inline", free, host_free, sr, skip)
+    inline = place_rank0(b, family, rt, split, world, "inline", sizes | dict(sr.models), free, host_free,
+                         sr).gpu_bytes
     if inline > free:
         return None
     return (f"auto: a decode worker would hold the super-resolution whole beside the DiT, {worker / 1e9:.1f} GB of "
