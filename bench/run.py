@@ -5,8 +5,8 @@ the long render runs, its RSS, open file descriptors and threads are sampled onc
 must stay flat. Figures are medians over repeats; ratios compare runs made in this same session.
 The short clip is also rendered on AVX2 kernels (AVX2_ENV: what an AVX2-only CPU runs, float32 under
 `runtime.dtype: auto`), each also with the other of `runtime.decode: inline | thread` than the default chose (the
-decode in the loop's own thread, or on a thread of its own while the DiT goes on: auto takes the thread in bf16 on
-2 to 4 CPU threads), compared as the median of paired ratios, and a live session is timed from process start to
+decode in the loop's own thread, or on a thread of its own while the DiT goes on: auto takes the thread for mini
+on 2 to 4 CPU threads), compared as the median of paired ratios, and a live session is timed from process start to
 its `ready` event.
 
     python bench/run.py [--short-s 30] [--long-s 600] [--repeats 3]

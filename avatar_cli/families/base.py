@@ -173,6 +173,10 @@ class Family(ABC):
     # Later chunks are conditioned on decoded frames (re-encoded motion pixels): then every rank decodes, not
     # only the one that writes the file, and the decode step may update the rolling state.
     decode_feeds_back: ClassVar[bool] = False
+    # The models' float32 results on a CPU have the same bits on any torch thread count (a GEMM over a few rows
+    # can otherwise sum in another order on 1 thread than on 2): runtime.decode auto may then take a decode
+    # thread, which borrows one of the loop's threads while it works, in float32 too (stages/decode_worker.py).
+    thread_count_invariant: ClassVar[bool] = False
     mode: ClassVar[str] = "clip"  # the generation mode this object renders (wan-s2v has two: clip, streaming)
     # The chunk's denoising runs as separate steps on separate ranks (runtime.parallel: steps, pipeline/steps.py);
     # such a family also implements the StepPipeline protocol below.

@@ -100,12 +100,13 @@ def check_setting(setting: str, family: Family) -> None:
                          "or auto")
 
 
-# auto's thread: a CPU computing in bf16 (natively) on 2 to 4 torch threads. At 2 it was measured faster than
-# inline, with the same frames (bench/results.md, "Pipeline benchmark" and "The decode thread as auto's choice"); the
-# decode thread's one core keeps up with the loop's others up to about 4 (its per-frame SR + decode on one thread
-# against the DiT's per-frame work on 3, same section), past which it would hold the loop. In float32 a Linear
-# over a few rows (a short last chunk's modulation) sums in another order on 1 thread than on 2, and the loop lends
-# a thread while the decode works, so the frames would differ from inline's and a live session's: auto keeps inline.
+# auto's thread: a CPU of 2 to 4 torch threads, computing in bf16, or in float32 where the family's frames do not
+# follow the thread count. At 2 it was measured faster than inline, with the same frames (bench/results.md,
+# "Pipeline benchmark" and "The decode thread as auto's choice"); the decode thread's one core keeps up with the
+# loop's others up to about 4 (its per-frame SR + decode on one thread against the DiT's per-frame work on 3, same
+# section), past which it would hold the loop. The loop lends a thread while the decode works, so its DiT runs a
+# chunk on either count: a float32 GEMM over a few rows can sum in another order on 1 thread than on 2, and only a
+# family that keeps its bits on any count (Family.thread_count_invariant) gets the thread in float32.
 THREAD_CORES = range(2, 5)
 
 
@@ -113,20 +114,21 @@ def choose(setting: str, family: Family, runtime: Runtime, threads: int = 1) -> 
     """("inline" | "worker" | "thread", why); threads: the job's torch threads. auto: the worker on CUDA (the decode
     overlaps the DiT's next chunk on another device, or between its kernels); on a CPU the worker's process shares
     the same cores and gains nothing over inline (bench/results.md, "decode worker"), while a thread of the render
-    process with a core of its own overlaps the decode with the DiT in bf16 on THREAD_CORES threads."""
+    process with a core of its own overlaps the decode with the DiT on THREAD_CORES threads."""
     if setting != "auto":
         return setting, "asked for"
     if family.decode_feeds_back:
         return "inline", f"auto: the {family.name} family's later chunks need the decoded frames"
     if runtime.is_cuda:
         return "worker", "auto: CUDA, and the family's decode does not feed back"
-    if threads in THREAD_CORES and runtime.dtype == torch.bfloat16:
-        return "thread", f"auto: a CPU of {threads} threads in bf16, where a core of its own decodes beside the DiT"
-    if threads in THREAD_CORES:
-        return "inline", (f"auto: {dtype_name(runtime.dtype)} on a CPU, where a decode thread's frames would differ "
-                          "from inline's by rounding")
-    return "inline", (f"auto: a CPU of {threads} thread{'s' if threads > 1 else ''}, where neither a worker process "
-                      "nor a decode thread pays")
+    if threads not in THREAD_CORES:
+        return "inline", (f"auto: a CPU of {threads} thread{'s' if threads > 1 else ''}, where neither a worker "
+                          "process nor a decode thread pays")
+    name = dtype_name(runtime.dtype)
+    if runtime.dtype == torch.bfloat16 or (runtime.dtype == torch.float32 and family.thread_count_invariant):
+        return "thread", f"auto: a CPU of {threads} threads in {name}, where a core of its own decodes beside the DiT"
+    return "inline", (f"auto: {name} on a CPU, where the {family.name} family's frames could differ with the "
+                      "thread count a decode thread leaves the DiT")
 
 
 def worker_device(runtime: Runtime, world_size: int) -> torch.device:

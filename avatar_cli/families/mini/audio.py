@@ -8,6 +8,8 @@ import torch.nn.functional as F
 import torchaudio.functional as AF
 from torch import nn
 
+from avatar_cli.families.mini.layers import per_row
+
 
 @dataclass(frozen=True)
 class AudioParams:
@@ -62,5 +64,5 @@ class AudioEncoder(nn.Module):
         """mel (T, n_mels, mel_frames) -> per-frame audio features (T, dim)."""
         h = F.silu(self.conv1(mel))  # (T, dim, mel_frames)
         h = F.silu(self.conv2(h))  # (T, dim, ceil(mel_frames/2))
-        return self.out(h.mean(dim=-1))  # (T, dim)
+        return per_row(self.out, h.mean(dim=-1))  # (T, dim)
 

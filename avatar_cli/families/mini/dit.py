@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from avatar_cli.families.mini.layers import GeluMLP, MLPEmbedder, RMSNorm, apply_rope, modulate, rope_3d, timestep_embedding
+from avatar_cli.families.mini.layers import GeluMLP, MLPEmbedder, RMSNorm, apply_rope, modulate, per_row, rope_3d, timestep_embedding
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,7 @@ class DiTBlock(nn.Module):
                 cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """ctx (B, Nc, D); vid (B, L, P, D); c_ctx (B, 1, D); c_vid (B, L, 1, D)."""
         m_ctx = self.ada(F.silu(c_ctx)).chunk(6, dim=-1)  # 6 x (B, 1, D)
-        m_vid = self.ada(F.silu(c_vid)).chunk(6, dim=-1)  # 6 x (B, L, 1, D)
+        m_vid = per_row(self.ada, F.silu(c_vid)).chunk(6, dim=-1)  # 6 x (B, L, 1, D)
         B, L, P, D = vid.shape
         n_ctx = ctx.shape[1]
 
@@ -131,7 +131,7 @@ class FinalLayer(nn.Module):
         self.linear = nn.Linear(p.dim, p.patch * p.patch * p.latent_channels)
 
     def forward(self, vid: torch.Tensor, c_vid: torch.Tensor) -> torch.Tensor:
-        shift, scale = self.ada(F.silu(c_vid)).chunk(2, dim=-1)  # (B, L, 1, D) each
+        shift, scale = per_row(self.ada, F.silu(c_vid)).chunk(2, dim=-1)  # (B, L, 1, D) each
         return self.linear(modulate(self.norm(vid), shift, scale))  # (B, L, P, p*p*C)
 
 
@@ -244,7 +244,7 @@ class DiT(nn.Module):
         ref_tokens = self.patchify(ref_lo, p.patch)  # (B, P, p*p*C)
         vid = self.x_embed(self.patchify(x, p.patch)) + self.ref_in(ref_tokens)[:, None]  # (B, L, P, D)
         ctx = torch.cat([
-            self.text_embed(text),  # (B, Nt, D)
+            per_row(self.text_embed, text),  # (B, Nt, D)
             self.ref_lo_embed(ref_tokens),  # (B, P, D)
             self.ref_hi_embed(self.patchify(ref_hi, p.ref_hi_patch)),  # (B, P', D)
         ], dim=1)  # (B, Nc, D)

@@ -34,6 +34,8 @@ class MiniFamily(Family):
     needs = {Step.reference: ("vae",), Step.prompt: ("text",), Step.context: ("audio",), Step.a2v: ("dit",),
              Step.sr: ("sr",), Step.decode: ("vae",)}
     decode_batch = 8  # frames decoded at once: small enough for a quick first frame, big enough for efficient convs
+    thread_count_invariant = True  # few-row float32 Linears go through layers.per_row; the convs keep their bits
+    revision = 1  # 1: float32 per_row (a short chunk's, or a prompt of 5-11 words', bits changed)
 
     def __init__(self, config: FamilyConfig):
         self.config = config

@@ -31,6 +31,28 @@ def timestep_embedding(t: torch.Tensor, dim: int, max_period: float = 10_000.0) 
     return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)  # (..., dim)
 
 
+# Row counts whose float32 CPU GEMM (oneDNN's, behind F.linear) sums a row in an order that depends on the torch
+# thread count: 5-7 and 9-11 rows give other bits on 1 thread than on 2; 1-4, 8 and 12 on (to 2,000) do not,
+# on AVX2 and AVX-512 kernels alike, for every Linear shape of the model. bf16 is the same on any count.
+THREAD_VARIANT_ROWS = frozenset({5, 6, 7, 9, 10, 11})
+
+
+def per_row(fn, x: torch.Tensor) -> torch.Tensor:
+    """fn(x) for a row-wise fn (Linears, activations) over x (..., K), with the result's bits independent of the
+    thread count: a float32 CPU input of THREAD_VARIANT_ROWS rows is zero-padded to the next multiple of 4.
+
+    Per-frame Linears see these counts on a short last chunk (5 to 11 frames with the motion frames), and a
+    render's frames must not depend on how many threads the loop held at the time: the decode thread borrows one
+    (runtime.decode, docs/decode-worker.md)."""
+    rows = x.reshape(-1, x.shape[-1])  # (M, K)
+    m = rows.shape[0]
+    if x.dtype != torch.float32 or x.device.type != "cpu" or m not in THREAD_VARIANT_ROWS:
+        return fn(x)
+    padded = torch.cat([rows, rows.new_zeros(-m % 4, rows.shape[1])])  # (M rounded up to 4, K)
+    out = fn(padded)[:m]  # (M, N)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
 class MLPEmbedder(nn.Module):
     def __init__(self, in_dim: int, dim: int):
         super().__init__()
@@ -38,7 +60,7 @@ class MLPEmbedder(nn.Module):
         self.fc2 = nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.silu(self.fc1(x)))
+        return per_row(lambda r: self.fc2(F.silu(self.fc1(r))), x)
 
 
 def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from avatar_cli.families.mini.layers import per_row
+
 DEFAULT_VOCAB = (
     "neutral", "smiling", "smile", "happy", "surprised", "surprise", "shocked",
     "calm", "still", "lively", "energetic", "animated", "talking", "speaking", "person",
@@ -43,10 +45,10 @@ class TextBlock(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(approximate="tanh"), nn.Linear(4 * dim, dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv(self.norm1(x)).unflatten(-1, (3, self.heads, -1)).permute(2, 0, 3, 1, 4)  # (B, H, N, Dh)
+        q, k, v = per_row(self.qkv, self.norm1(x)).unflatten(-1, (3, self.heads, -1)).permute(2, 0, 3, 1, 4)  # (B, H, N, Dh)
         a = F.scaled_dot_product_attention(q, k, v)  # (B, H, N, Dh)
-        x = x + self.proj(a.transpose(1, 2).flatten(2))  # (B, N, D)
-        return x + self.mlp(self.norm2(x))  # (B, N, D)
+        x = x + per_row(self.proj, a.transpose(1, 2).flatten(2))  # (B, N, D)
+        return x + per_row(self.mlp, self.norm2(x))  # (B, N, D)
 
 
 class TextEncoder(nn.Module):
