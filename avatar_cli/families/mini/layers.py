@@ -32,8 +32,9 @@ def timestep_embedding(t: torch.Tensor, dim: int, max_period: float = 10_000.0) 
 
 
 # Row counts whose float32 CPU GEMM (oneDNN's, behind F.linear) sums a row in an order that depends on the torch
-# thread count: 5-7 and 9-11 rows give other bits on 1 thread than on 2; 1-4, 8 and 12 on (to 2,000) do not,
-# on AVX2 and AVX-512 kernels alike, for every Linear shape of the model. bf16 is the same on any count.
+# thread count: 5-7 and 9-11 rows give other bits on 2, 6 or 8 threads than on 1 (3 and 4 match 1); 1-4, 8 and 12
+# on (to 2,000) do not, on AVX2 and AVX-512 kernels alike, for every Linear shape of the model. bf16 is the same on
+# any count.
 THREAD_VARIANT_ROWS = frozenset({5, 6, 7, 9, 10, 11})
 
 
