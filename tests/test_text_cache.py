@@ -216,6 +216,19 @@ def test_key_covers_what_the_encoding_depends_on(tmp_path, tiny_model):
     assert c.key("talking").encoder != a.key("talking").encoder
 
 
+def test_mini_key_follows_its_text_encoders_code(tmp_path, tiny_model, monkeypatch):
+    """mini's encoder is code in the package: a release that changes how it computes (other bits from the same
+    weights) must not serve the encodings an earlier one cached."""
+    from avatar_cli.families.mini import model_dir
+    source = resolve_model(str(tiny_model), tmp_path)
+    before = PromptCache(TextCache(tmp_path / "c"), source, torch.float32).key("talking")
+    real = model_dir.inspect.getsource
+    monkeypatch.setattr(model_dir.inspect, "getsource",
+                        lambda obj: real(obj) + ("# changed" if obj is model_dir.text_module else ""))
+    after = PromptCache(TextCache(tmp_path / "c"), source, torch.float32).key("talking")
+    assert after.encoder != before.encoder and after.tokenizer == before.tokenizer
+
+
 @pytest.mark.parametrize("layout", ["official", "diffusers"])
 def test_wan_prompt_round_trip_is_exact(tmp_path, layout):
     from avatar_cli.families.wan_s2v import files, model_dir

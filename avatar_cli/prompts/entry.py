@@ -31,7 +31,7 @@ FORMAT = "avatar-text-cache/1"
 @dataclass(frozen=True)
 class EntryKey:
     family: str
-    encoder: str  # digest of the text encoder's weights (or of its config and seed, for a random init)
+    encoder: str  # digest of the text encoder's weights (or of its config and seed, for a random init; mini's: + code)
     tokenizer: str  # digest of the tokenizer's files (or code and vocabulary)
     prompt: str
     negative: str  # the negative prompt the family encodes with it; "" if none

@@ -12,6 +12,8 @@ import torch
 from avatar_cli.errors import InputError
 from avatar_cli.families.mini.config import COMPONENTS, SIZES, FamilyConfig
 from avatar_cli.families.mini.family import MiniFamily
+from avatar_cli.families.mini import text as text_module
+from avatar_cli.families.mini.layers import per_row
 from avatar_cli.families.mini.text import tokenize
 from avatar_cli.families.source import RANDOM_SEED, FamilySpec, ModelSource
 from avatar_cli.modules.digest import file_digest, text_digest
@@ -107,13 +109,15 @@ def report(directory: Path) -> dict:
 
 
 def prompt_identity(source: ModelSource) -> tuple[str, str, str]:
-    """The text encoder's weights (for a random init: its config, seed and torch's generator) and the tokenizer,
-    which is code: its rule, its vocabulary and its length limit. No negative prompt."""
+    """The text encoder's weights (for a random init: its config, seed and torch's generator) with its code (a
+    change to how it computes, such as layers.per_row's padding, makes other bits from the same weights), and the
+    tokenizer, which is code too: its rule, its vocabulary and its length limit. No negative prompt."""
     p = source.config.text
     if source.path is None:
-        encoder = text_digest(f"{source.fingerprint}:{RANDOM_SEED}:{json.dumps(asdict(p))}:{torch.__version__}")
+        weights = text_digest(f"{source.fingerprint}:{RANDOM_SEED}:{json.dumps(asdict(p))}:{torch.__version__}")
     else:
-        encoder = file_digest(source.path / COMPONENTS["text"][0])
+        weights = file_digest(source.path / COMPONENTS["text"][0])
+    encoder = text_digest(weights + inspect.getsource(text_module) + inspect.getsource(per_row))
     tokenizer = text_digest(inspect.getsource(tokenize) + json.dumps([list(p.vocab), p.max_tokens]))
     return encoder, tokenizer, ""
 
