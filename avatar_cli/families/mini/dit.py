@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from avatar_cli.families.mini.layers import GeluMLP, MLPEmbedder, RMSNorm, apply_rope, modulate, per_row, rope_3d, timestep_embedding
+from avatar_cli.families.mini.layers import (GeluMLP, MLPEmbedder, RMSNorm, apply_rope, modulate, per_row, rope_3d,
+                                            timestep_embedding)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """Small layers shared by the mini family. Pure tensor code: no I/O, no devices, no distributed calls."""
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +39,7 @@ def timestep_embedding(t: torch.Tensor, dim: int, max_period: float = 10_000.0) 
 THREAD_VARIANT_ROWS = frozenset({5, 6, 7, 9, 10, 11})
 
 
-def per_row(fn, x: torch.Tensor) -> torch.Tensor:
+def per_row(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     """fn(x) for a row-wise fn (Linears, activations) over x (..., K), with the result's bits independent of the
     thread count: a float32 CPU input of THREAD_VARIANT_ROWS rows is zero-padded to the next multiple of 4.
 

@@ -45,7 +45,8 @@ class TextBlock(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(approximate="tanh"), nn.Linear(4 * dim, dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = per_row(self.qkv, self.norm1(x)).unflatten(-1, (3, self.heads, -1)).permute(2, 0, 3, 1, 4)  # (B, H, N, Dh)
+        qkv = per_row(self.qkv, self.norm1(x))  # (B, N, 3D)
+        q, k, v = qkv.unflatten(-1, (3, self.heads, -1)).permute(2, 0, 3, 1, 4)  # (B, H, N, Dh)
         a = F.scaled_dot_product_attention(q, k, v)  # (B, H, N, Dh)
         x = x + per_row(self.proj, a.transpose(1, 2).flatten(2))  # (B, N, D)
         return x + per_row(self.mlp, self.norm2(x))  # (B, N, D)
