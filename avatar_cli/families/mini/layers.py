@@ -46,10 +46,10 @@ def per_row(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torc
     Per-frame Linears see these counts on a short last chunk (5 to 11 frames with the motion frames), and a
     render's frames must not depend on how many threads the loop held at the time: the decode thread borrows one
     (runtime.decode, docs/decode-worker.md)."""
-    rows = x.reshape(-1, x.shape[-1])  # (M, K)
-    m = rows.shape[0]
+    m = x.numel() // x.shape[-1]
     if x.dtype != torch.float32 or x.device.type != "cpu" or m not in THREAD_VARIANT_ROWS:
         return fn(x)
+    rows = x.reshape(m, x.shape[-1])  # (M, K)
     padded = torch.cat([rows, rows.new_zeros(-m % 4, rows.shape[1])])  # (M rounded up to 4, K)
     out = fn(padded)[:m]  # (M, N)
     return out.reshape(*x.shape[:-1], out.shape[-1])
